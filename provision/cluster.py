@@ -1,0 +1,82 @@
+"""Bring clusters up and down through their provider; local state records what exists."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from provision import job, state
+from provision.config import GpuctlConfig
+from provision.errors import GpuctlError
+from provision.providers import backend
+from provision.providers.base import UpOptions
+
+ACTIVE = ("starting", "running")
+
+
+def up(cfg: GpuctlConfig, opts: UpOptions) -> state.ClusterRecord | None:
+    """Create or connect the cluster; a no-op when it is already up."""
+    existing = state.find_cluster(cfg.cluster_name)
+    if existing is not None:
+        opts.say(f"cluster {existing.name} is already up ({existing.world_size} ranks)")
+        return existing
+    record = backend(cfg.provider.kind).up(cfg, opts)
+    if record is not None:
+        state.save_cluster(record)
+        opts.say(f"cluster {record.name} is up: {record.world_size} ranks on {len(record.nodes)} node(s)")
+    return record
+
+
+def active_runs(cluster: str) -> list[state.RunRecord]:
+    return [r for r in state.list_runs(cluster) if r.state in ACTIVE]
+
+
+def down(name: str, say: Callable[[str], None] = print) -> bool:
+    """Stop the cluster's runs, terminate what the provider created, forget the cluster.
+
+    Idempotent: a cluster that is already gone is fine. Returns False when nothing was up.
+    """
+    cluster = state.find_cluster(name)
+    if cluster is None:
+        say(f"cluster {name} is not up; nothing to do")
+        return False
+    for run in active_runs(name):
+        say(f"stopping run {run.run_id}")
+        if not job.cancel(run):
+            raise GpuctlError(f"run {run.run_id} on {name} did not stop",
+                              f"retry `gpuctl down`, or stop process group {run.pgid} on the node")
+    backend(cluster.provider).down(cluster, say)
+    state.delete_cluster(name)
+    say(f"cluster {name} is down")
+    return True
+
+
+def planned(cfg: GpuctlConfig) -> state.ClusterRecord:
+    """The cluster `up` would record, without touching a machine (for render and dry runs)."""
+    from provision.config import HOST_RE, LocalProvider, SSHProvider
+    from provision.providers.local import node_python, visible_gpus
+
+    prov = cfg.provider
+    if isinstance(prov, LocalProvider):
+        gpus = visible_gpus()
+        slots = prov.gpus_per_node or len(gpus) or prov.cpu_ranks
+        accel = "cuda" if (prov.gpus_per_node or gpus) else "cpu"
+        node = state.NodeRecord(host="localhost", slots=slots, accelerator=accel,
+                                gpu_name=gpus[0] if gpus else None,
+                                workdir=str(state.state_dir() / "local-node"))
+        return state.ClusterRecord(name=cfg.cluster_name, provider="local", nodes=[node],
+                                   python=node_python(prov))
+    if isinstance(prov, SSHProvider):
+        nodes = []
+        for host in prov.hosts:
+            match = HOST_RE.match(host)
+            user = match["user"] or "root"
+            home = "/root" if user == "root" else f"/home/{user}"
+            nodes.append(state.NodeRecord(
+                host=match["host"], address=match["host"], port=int(match["port"] or 22), user=user,
+                slots=prov.gpus_per_node or prov.cpu_ranks,
+                accelerator="cuda" if prov.gpus_per_node else "cpu", workdir=f"{home}/gpuctl"))
+        return state.ClusterRecord(name=cfg.cluster_name, provider="ssh", nodes=nodes, python=prov.python)
+    nodes = [state.NodeRecord(host=f"node{i}", slots=prov.gpus_per_node, accelerator="cuda",
+                              gpu_name=prov.gpu, workdir="/root/gpuctl") for i in range(prov.nodes)]
+    return state.ClusterRecord(name=cfg.cluster_name, provider=prov.kind, nodes=nodes,
+                               python=prov.python, image=prov.image, runtime="image")

@@ -1,0 +1,30 @@
+"""Errors the CLI turns into one line: what went wrong, then how to fix it."""
+
+from __future__ import annotations
+
+
+class GpuctlError(Exception):
+    """A failure the user can act on. `fix` names the next thing to try."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, fix: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.fix = fix
+
+    def one_line(self) -> str:
+        text = " ".join(self.message.split())
+        return f"{text} (fix: {self.fix})" if self.fix else text
+
+
+class ConfigError(GpuctlError):
+    exit_code = 2
+
+
+class NotFoundError(GpuctlError):
+    exit_code = 3
+
+
+class RemoteError(GpuctlError):
+    exit_code = 4

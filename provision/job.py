@@ -1,0 +1,187 @@
+"""The train flow: render -> put bundle -> start detached -> follow logs/status -> result.
+
+The run lives on the node: launch.sh writes status.json, the trainer writes metrics.jsonl
+and summary.json. gpuctl only reads them, so a dropped laptop changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from provision import state
+from provision.config import GpuctlConfig, check_batch
+from provision.errors import GpuctlError, RemoteError
+from provision.providers import backend
+from provision.remote import Node
+from provision.render import BundleNode, BundleSpec, render_bundle
+
+TERMINAL = ("succeeded", "failed", "cancelled", "lost")
+POLL_S = 0.5
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+
+
+def run_dir_of(workdir: str, run_id: str) -> str:
+    return f"{workdir.rstrip('/')}/runs/{run_id}"
+
+
+def bundle_spec(cfg: GpuctlConfig, cluster: state.ClusterRecord, run_id: str,
+                resume: str | None = None) -> BundleSpec:
+    first = cluster.nodes[0]
+    prov = cfg.provider
+    spec = BundleSpec(run_id=run_id, run_dir=run_dir_of(first.workdir, run_id),
+                      nodes=[BundleNode(n.host, n.slots) for n in cluster.nodes],
+                      python=cluster.python, accelerator=first.accelerator, gpu_name=first.gpu_name,
+                      resume=resume, setup=getattr(prov, "setup", None))
+    if len(cluster.nodes) > 1:
+        spec.master_addr = first.address
+        spec.ssh_port = first.port
+    teardown = backend(cluster.provider).self_teardown(cluster) if cfg.teardown == "after-train" else None
+    if teardown:
+        spec.after_run.append(teardown.argv)
+        spec.secrets.update(teardown.env)
+    return spec
+
+
+def start_run(cfg: GpuctlConfig, cluster: state.ClusterRecord, *, resume: str | None = None,
+              say: Callable[[str], None] = print) -> state.RunRecord:
+    """Render, ship to every node, start launch.sh detached on the first; record the run."""
+    batch = check_batch(cfg.train, cluster.world_size)
+    run_id = new_run_id()
+    spec = bundle_spec(cfg, cluster, run_id, resume)
+    bundle = render_bundle(cfg, spec, state.state_dir() / "runs" / run_id)
+    nodes = backend(cluster.provider).nodes(cluster)
+    try:
+        for node, rec in zip(nodes, cluster.nodes):
+            node.put_dir(bundle, run_dir_of(rec.workdir, run_id))
+        pgid = nodes[0].start_detached(spec.run_dir, "launch.sh", "job.log")
+    finally:
+        for node in nodes:
+            node.close()
+    record = state.RunRecord(run_id=run_id, cluster=cluster.name, run_dir=spec.run_dir,
+                             bundle_dir=str(bundle), world_size=cluster.world_size,
+                             train_batch_size=batch, micro_batch=cfg.train.micro_batch,
+                             grad_accum=cfg.train.grad_accum, max_steps=cfg.train.max_steps,
+                             state="running", pgid=pgid)
+    state.save_run(record)
+    say(f"run {run_id} started on {cluster.name}: {cluster.world_size} ranks, batch {batch}")
+    return record
+
+
+@dataclass
+class RunStatus:
+    record: state.RunRecord
+    state: str
+    exit_code: int | None
+    status: dict
+    summary: dict
+    last_metrics: dict
+
+    def to_json(self) -> dict:
+        return {"run_id": self.record.run_id, "cluster": self.record.cluster, "state": self.state,
+                "exit_code": self.exit_code, "run_dir": self.record.run_dir,
+                "world_size": self.record.world_size, "train_batch_size": self.record.train_batch_size,
+                "steps": self.summary.get("steps", self.last_metrics.get("step")),
+                "max_steps": self.record.max_steps,
+                "final_loss": self.summary.get("final_loss", self.last_metrics.get("loss")),
+                "tokens_per_s": self.summary.get("tokens_per_s", self.last_metrics.get("tokens_per_s")),
+                "started_at": self.status.get("started_at"), "ended_at": self.status.get("ended_at")}
+
+
+def _json_or_empty(text: str | None) -> dict:
+    try:
+        return json.loads(text) if text else {}
+    except json.JSONDecodeError:
+        return {}
+
+
+def node_of(run: state.RunRecord) -> Node:
+    cluster = state.load_cluster(run.cluster)
+    return backend(cluster.provider).nodes(cluster)[0]
+
+
+def read_status(run: state.RunRecord, node: Node) -> RunStatus:
+    status = _json_or_empty(node.read_text(f"{run.run_dir}/status.json"))
+    summary = _json_or_empty(node.read_text(f"{run.run_dir}/summary.json"))
+    tail = node.sh('[ -f "$1" ] && tail -n 1 -- "$1"', f"{run.run_dir}/metrics.jsonl", check=False).stdout
+    run_state = status.get("state", run.state)
+    if run_state == "running" and run.pgid and not node.group_alive(run.pgid):
+        run_state = "lost"  # killed without writing its end (kill -9, node reboot)
+    result = RunStatus(run, run_state, status.get("exit_code"), status, summary, _json_or_empty(tail))
+    if run_state != run.state or result.exit_code != run.exit_code:
+        state.update_run(run.run_id, state=run_state, exit_code=result.exit_code)
+    return result
+
+
+def exit_code_of(status: RunStatus) -> int:
+    if status.state == "succeeded":
+        return 0
+    return status.exit_code if status.exit_code not in (None, 0) else 1
+
+
+def follow(run: state.RunRecord, out: Callable[[str], None], *, until_end: bool = True,
+           reconnect_s: float = 300) -> RunStatus:
+    """Print job.log from the start; with until_end, keep tailing until the run ends.
+
+    A dropped connection is retried until reconnect_s passes without a successful read.
+    """
+    offset = 0
+    node = None
+    last_ok = time.monotonic()
+    while True:
+        try:
+            node = node or node_of(run)
+            chunk = node.sh('[ -f "$1" ] && tail -c +"$2" -- "$1"', f"{run.run_dir}/job.log",
+                            str(offset + 1), check=False, timeout=60).stdout
+            status = read_status(run, node)
+            last_ok = time.monotonic()
+        except RemoteError as exc:
+            if node is not None:
+                node.close()
+            node = None
+            if time.monotonic() - last_ok > reconnect_s:
+                raise GpuctlError(f"lost the connection to run {run.run_id}: {exc.message}",
+                                  "check the node, then `gpuctl logs -f` to reattach") from None
+            time.sleep(2)
+            continue
+        if chunk:
+            offset += len(chunk.encode())
+            for line in chunk.splitlines():
+                out(line)
+        if not until_end or status.state in TERMINAL:
+            if node is not None:
+                node.close()
+            return status
+        time.sleep(POLL_S)
+
+
+def cancel(run: state.RunRecord, *, grace_s: float = 20) -> bool:
+    """Stop a run through the process group launch.sh recorded. True if it is gone."""
+    node = node_of(run)
+    try:
+        if not run.pgid or not node.group_alive(run.pgid):
+            return True
+        node.signal_group(run.pgid, "TERM")
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and node.group_alive(run.pgid):
+            time.sleep(0.5)
+        if node.group_alive(run.pgid):
+            node.signal_group(run.pgid, "KILL")
+            time.sleep(1)
+        gone = not node.group_alive(run.pgid)
+    finally:
+        node.close()
+    if gone:
+        state.update_run(run.run_id, state="cancelled" if run.state == "running" else run.state)
+    return gone
+
+
+def local_run_dir(run: state.RunRecord) -> Path:
+    return Path(run.bundle_dir)

@@ -1,0 +1,163 @@
+"""jinja2 environment over templates/ -> a run bundle (see docs/CONTRACTS.md).
+
+Values reach JSON through the `json` filter and shell through `q` (shlex.quote) and
+`qjoin` (shlex.join): a path with `;` or `$(...)` in it arrives at the node verbatim.
+A `templates/` folder beside the user's gpuctl.yaml overrides any template by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jinja2
+
+from provision.config import GpuctlConfig, check_batch
+from provision.errors import ConfigError
+from provision.state import write_atomic
+
+TEMPLATES = {"hostfile": "hostfile.j2", "ds_config.json": "ds_config.json.j2",
+             "launch.sh": "launch.sh.j2", ".deepspeed_env": "deepspeed_env.j2"}
+# NCCL hangs without these on RTX 40-series (no NVLink, P2P disabled by the driver).
+RTX40_NCCL = {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
+# .deepspeed_env values are wrapped in double quotes by DeepSpeed, not escaped.
+UNSAFE_DS_ENV = re.compile(r'["$`\\\n]')
+
+
+@dataclass
+class BundleNode:
+    host: str
+    slots: int
+
+
+@dataclass
+class BundleSpec:
+    """Everything the templates need that is not in the config itself."""
+
+    run_id: str
+    run_dir: str  # absolute path on the first node
+    nodes: list[BundleNode]
+    python: str
+    accelerator: str = "cpu"  # cpu | cuda
+    gpu_name: str | None = None
+    master_addr: str = "127.0.0.1"
+    ssh_port: int | None = None
+    resume: str | None = None
+    setup: str | None = None
+    after_run: list[list[str]] = field(default_factory=list)
+    secrets: dict[str, str] = field(default_factory=dict)
+    launcher_prefix: list[str] = field(default_factory=list)  # e.g. a `docker run ...` wrapper
+
+    @property
+    def world_size(self) -> int:
+        return sum(n.slots for n in self.nodes)
+
+
+def packaged_templates() -> Path:
+    here = Path(__file__).resolve().parent
+    wheel = here / "templates"  # the wheel carries them inside the package
+    return wheel if wheel.is_dir() else here.parent / "templates"
+
+
+def template_env(config_dir: Path | None) -> jinja2.Environment:
+    search = [str(packaged_templates())]
+    if config_dir is not None and (config_dir / "templates").is_dir():
+        search.insert(0, str(config_dir / "templates"))
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(search), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True, autoescape=False)
+    env.filters["q"] = lambda value: shlex.quote(str(value))
+    env.filters["qjoin"] = lambda argv: shlex.join(str(a) for a in argv)
+    env.filters["json"] = json.dumps
+    return env
+
+
+def rank_env(cfg: GpuctlConfig, spec: BundleSpec) -> dict[str, str]:
+    env: dict[str, str] = {}
+    if spec.accelerator == "cpu":
+        env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    if spec.gpu_name and re.search(r"RTX 40\d0|RTX 4090|RTX 4080|RTX 4070", spec.gpu_name):
+        env.update(RTX40_NCCL)
+    env.update(cfg.env)  # the user's word wins, NCCL overrides included
+    return env
+
+
+def launcher_argv(spec: BundleSpec) -> list[str]:
+    argv = [*spec.launcher_prefix, spec.python, "-u", "-m", "deepspeed.launcher.runner",
+            "--hostfile", "hostfile", "--master_addr", spec.master_addr, "--no_local_rank"]
+    if len(spec.nodes) == 1:
+        argv.append("--no_ssh_check")  # one host: DeepSpeed launches locally, no pdsh
+    else:
+        argv += ["--launcher", "pdsh"]
+        if spec.ssh_port:
+            argv += ["--ssh_port", str(spec.ssh_port)]
+    return argv
+
+
+def run_json(cfg: GpuctlConfig, spec: BundleSpec, data_rel: str) -> dict:
+    train = cfg.train.model_dump(exclude={"train_batch_size"})
+    train["data"] = data_rel
+    storage = cfg.storage.model_dump()
+    storage["url"] = cfg.storage_url()
+    return {"run_id": spec.run_id, "ds_config": "ds_config.json", "num_nodes": len(spec.nodes),
+            "train": train, "storage": storage, "resume": spec.resume}
+
+
+def render_bundle(cfg: GpuctlConfig, spec: BundleSpec, out_dir: Path) -> Path:
+    """Write the run bundle into out_dir. Touches no machine."""
+    batch = check_batch(cfg.train, spec.world_size)
+    env = rank_env(cfg, spec)
+    if len(spec.nodes) > 1:
+        bad = [k for k, v in env.items() if UNSAFE_DS_ENV.search(v)]
+        if bad:
+            raise ConfigError(f"env.{bad[0]} has a quote, $, backslash or newline, which DeepSpeed's "
+                              "multi-node launcher cannot pass", "simplify the value")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data_rel = _ship_data(cfg, out_dir)
+    context = dict(run_id=spec.run_id, run_dir=spec.run_dir, nodes=spec.nodes, train=cfg.train,
+                   train_batch_size=batch, accelerator=spec.accelerator, env=env,
+                   python=spec.python, world_size=spec.world_size, setup=spec.setup,
+                   launcher=launcher_argv(spec), script=["--module", "trainer", "run.json"],
+                   after_run=spec.after_run)
+    jinja = template_env(cfg.base_dir)
+    for name, template in TEMPLATES.items():
+        try:
+            text = jinja.get_template(template).render(**context)
+        except jinja2.TemplateError as exc:
+            raise ConfigError(f"template {template}: {exc}", "fix or remove your override in templates/") from None
+        mode = 0o755 if name.endswith(".sh") else 0o600 if name.startswith(".") else 0o644
+        write_atomic(out_dir / name, text, mode)
+    json.loads((out_dir / "ds_config.json").read_text())  # a broken override fails here, not on the node
+    write_atomic(out_dir / "run.json", json.dumps(run_json(cfg, spec, data_rel), indent=2) + "\n")
+    if spec.secrets:
+        lines = "".join(f"{k}={shlex.quote(v)}\n" for k, v in spec.secrets.items())
+        write_atomic(out_dir / "secrets.env", lines, 0o600)
+    _ship_trainer(out_dir / "lib" / "trainer")
+    return out_dir
+
+
+def _ship_data(cfg: GpuctlConfig, out_dir: Path) -> str:
+    source = cfg.data_path()
+    if source is None:
+        return cfg.train.data
+    (out_dir / "data").mkdir(exist_ok=True)
+    target = out_dir / "data" / source.name
+    if not target.exists():
+        try:
+            os.link(source, target)  # same filesystem: no copy of a large file
+        except OSError:
+            shutil.copy2(source, target)
+    return f"data/{source.name}"
+
+
+def _ship_trainer(target: Path) -> None:
+    import trainer  # the light package object only; trainer/__init__ imports no torch
+
+    source = Path(trainer.__file__).resolve().parent
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
