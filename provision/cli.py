@@ -104,17 +104,22 @@ def _follow_to_end(run, detach_hint: bool = True) -> int:
 def train(config: ConfigOpt = None,
           detach: Annotated[bool, typer.Option("--detach", "-d", help="return once the run started")] = False,
           dry_run: Annotated[bool, typer.Option("--dry-run", help="render and print, start nothing")] = False,
-          resume: Annotated[Optional[str], typer.Option(
-              "--resume", help="continue from the store's latest checkpoint, or TAG", flag_value="latest")] = None,
+          resume: Annotated[bool, typer.Option("--resume", help="continue from the store's latest checkpoint")] = False,
+          resume_from: Annotated[Optional[str], typer.Option(help="continue from this checkpoint TAG")] = None,
           ) -> None:
     """Run training on the cluster; follow the logs and exit with the run's exit code."""
     from provision import job, state
 
     cfg = _config(config)
+    resume = resume_from or ("latest" if resume else None)
     if dry_run:
         _print_dry_run(cfg, resume)
         return
-    record = state.load_cluster(cfg.cluster_name)
+    from provision.config import check_batch
+
+    record = state.find_cluster(cfg.cluster_name)
+    check_batch(cfg.train, (record or _planned_cluster(cfg)).world_size)  # a config error comes first
+    record = record or state.load_cluster(cfg.cluster_name)
     run = job.start_run(cfg, record, resume=resume, say=say)
     if detach:
         typer.echo(run.run_id)
@@ -123,6 +128,7 @@ def train(config: ConfigOpt = None,
 
 
 def _print_dry_run(cfg, resume: Optional[str]) -> None:
+    """Render into a temp dir and print what would run where."""
     import tempfile
 
     from provision import job, state

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from provision import job, state
-from provision.config import GpuctlConfig
+from provision.config import GpuctlConfig, check_batch
 from provision.errors import GpuctlError
 from provision.providers import backend
 from provision.providers.base import UpOptions
@@ -19,8 +19,10 @@ def up(cfg: GpuctlConfig, opts: UpOptions) -> state.ClusterRecord | None:
     if existing is not None:
         opts.say(f"cluster {existing.name} is already up ({existing.world_size} ranks)")
         return existing
+    check_batch(cfg.train, planned(cfg).world_size)  # before anything is created
     record = backend(cfg.provider.kind).up(cfg, opts)
     if record is not None:
+        check_batch(cfg.train, record.world_size)
         state.save_cluster(record)
         opts.say(f"cluster {record.name} is up: {record.world_size} ranks on {len(record.nodes)} node(s)")
     return record

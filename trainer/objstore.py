@@ -170,7 +170,7 @@ class CheckpointStore:
                  log: Callable[[str], None] | None = None):
         self.backend = backend
         self.keep = keep if keep and keep > 0 else None
-        self.log = log or _log.warning
+        self.log = log if log is not None else _log.warning
         self.url = backend.url
 
     @classmethod
@@ -332,7 +332,7 @@ class CheckpointStore:
         if present != wanted:
             missing = sorted(int(k.rsplit("/", 1)[1][:-5]) for k in wanted - present)
             self.log(f"not publishing {tag}: node(s) {missing} did not finish uploading "
-                     f"within {timeout:.0f} s")
+                     f"within {timeout:.1f} s")
             return False
 
         files: dict[str, dict] = {}

@@ -301,7 +301,7 @@ class S3Backend:
                 return StorageNotFound(f"{where}: object missing while {what}")
             if status >= 500 or code in _THROTTLE_CODES:
                 e = StorageUnavailable(f"S3 at {where} is unavailable while {what} "
-                                       f"({code or status}); will retry")
+                                       f"({code or status})")
                 return e
             return StorageError(f"S3 error {code or status} for {where} while {what}")
         if isinstance(exc, (bx.NoCredentialsError, bx.PartialCredentialsError)):
@@ -313,7 +313,7 @@ class S3Backend:
             return StorageUnavailable(
                 f"cannot reach S3 endpoint {self.endpoint_url or 'AWS'} for {self.url} "
                 f"while {what} ({type(exc).__name__}): check storage.endpoint_url and that "
-                "the server is up; will retry")
+                "the server is up")
         return StorageError(f"S3 client error for {where} while {what} ({type(exc).__name__})")
 
     def _call(self, what: str, fn, *args, **kwargs):
@@ -383,7 +383,7 @@ class S3Backend:
                                    f"{self.url} (first: {first.get('Key')}: {first.get('Code')})")
 
     def delete_prefix(self, prefix: str) -> None:
-        self.delete(f"{prefix.rstrip('/')}/{k}" for k in self.list(prefix.rstrip("/") + "/"))
+        self.delete(self.list(prefix.rstrip("/") + "/"))  # keys come back relative to the root
 
     # -- bulk transfers ---------------------------------------------------------------
     def _run_transfers(self, submit, what: str) -> None:

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The test command (README quick start, step 2). Installs what the suite needs on a fresh
+# Debian machine (sshd, pdsh, dockerd, S3 peers), then runs pytest. The suite starts its own
+# services on loopback (sshd on 127.0.0.1/127.0.0.2, moto S3 server, dockerd with vfs).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(openssh-server openssh-client pdsh docker.io iproute2 procps)
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg"); done
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "installing ${missing[*]}"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+PY="${PYTHON:-python}"
+if ! "$PY" -c "import torch" 2>/dev/null; then "$PY" -m pip install -q torch==2.13.0; fi
+"$PY" -m pip install -q -e '.[train,test]'
+
+# DeepSpeed JIT-compiles its CPU ops on first use; keep them between runs.
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/gpuctl/torch_extensions}"
+set +e
+"$PY" -m pytest -q -p no:cacheprovider "$@"
+rc=$?
+set -e
+if [ "$rc" = 5 ]; then echo "no tests ran: that is a failure"; exit 1; fi
+exit "$rc"

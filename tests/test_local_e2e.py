@@ -1,0 +1,103 @@
+"""README command 1, for real: gpuctl init/up/train/status/down on the local provider.
+
+Three CPU ranks under DeepSpeed ZeRO-2 with the optimizer offloaded to CPU, over gloo.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+GPUCTL = [sys.executable, "-m", "provision.cli"]
+
+
+def gpuctl(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([*GPUCTL, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def write_config(project: Path, **train) -> None:
+    assert gpuctl("init", cwd=project).returncode == 0
+    cfg = yaml.safe_load((project / "gpuctl.yaml").read_text())
+    cfg["train"].update(train)
+    (project / "gpuctl.yaml").write_text(yaml.safe_dump(cfg))
+
+
+def group_members(pgid: int) -> list[int]:
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
+def test_up_train_status_down(project, state_dir):
+    write_config(project, max_steps=12, checkpoint_every=6)
+    up = gpuctl("up", cwd=project)
+    assert up.returncode == 0, up.stderr
+    train = gpuctl("train", cwd=project)
+    assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
+    assert "step 12/12" in train.stdout
+
+    status = json.loads(gpuctl("status", "--json", cwd=project).stdout)
+    run = status["run"]
+    assert run["state"] == "succeeded" and run["exit_code"] == 0
+    assert run["steps"] == 12 and run["world_size"] == 3 and run["train_batch_size"] == 12
+    assert run["tokens_per_s"] > 0
+    metrics = [json.loads(line) for line in Path(run["run_dir"], "metrics.jsonl").read_text().splitlines()]
+    first, last = metrics[0]["loss"], metrics[-1]["loss"]
+    assert last < first * 0.8, (first, last)  # the loss falls
+    assert abs(run["final_loss"] - last) < 1e-6
+
+    store = project / "gpuctl-storage"
+    assert (store / "latest").read_text().strip() == "step12"
+    assert (store / "step12" / "manifest.json").is_file() and (store / "step6" / "manifest.json").is_file()
+    shards = list((store / "step12").rglob("*.pt"))
+    assert any("optim_states" in s.name for s in shards) and any("model_states" in s.name for s in shards)
+
+    down = gpuctl("down", cwd=project)
+    assert down.returncode == 0, down.stderr
+    assert json.loads(gpuctl("status", "--json", cwd=project).stdout)["cluster"] is None
+    assert not list(state_dir.glob("clusters/*.json"))
+
+
+def test_down_stops_a_running_run(project, state_dir):
+    write_config(project, max_steps=400, checkpoint_every=0)
+    assert gpuctl("up", cwd=project).returncode == 0
+    started = gpuctl("train", "--detach", cwd=project)
+    assert started.returncode == 0, started.stderr
+    run_id = started.stdout.strip()
+    record = json.loads((state_dir / "runs" / f"{run_id}.json").read_text())
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not Path(record["run_dir"], "metrics.jsonl").exists():
+        time.sleep(1)
+    assert len(group_members(record["pgid"])) >= 4  # launch.sh, launcher, 3 ranks
+    down = gpuctl("down", cwd=project)
+    assert down.returncode == 0, down.stderr
+    assert group_members(record["pgid"]) == []
+    status = json.loads(Path(record["run_dir"], "status.json").read_text())
+    assert status["state"] == "cancelled"
+    assert not list(state_dir.glob("clusters/*.json"))
+
+
+def test_failed_run_exit_code_and_run_command(project, state_dir):
+    (project / "corpus.txt").write_text("")  # no tokens: the trainer must fail clearly
+    write_config(project, data="corpus.txt", max_steps=2)
+    result = gpuctl("run", "--yes", cwd=project)
+    assert result.returncode != 0
+    status_files = list(Path(state_dir, "local-node", "runs").glob("*/status.json"))
+    assert len(status_files) == 1
+    status = json.loads(status_files[0].read_text())
+    assert status["state"] == "failed" and status["exit_code"] == result.returncode
+    assert not list(state_dir.glob("clusters/*.json"))  # `run` took the cluster down

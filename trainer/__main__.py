@@ -1,0 +1,50 @@
+"""Entry point: `python -m trainer run.json` (one process per rank, cwd = the run dir).
+
+Exit codes: 0 done (summary.json state succeeded), 2 a known problem (one clear line on
+stderr: bad config, world-size mismatch, storage), 1 anything else (traceback, then a line).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from trainer.config import DistEnv, RunConfig, TrainerError, load_run_config
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m trainer run.json", file=sys.stderr)
+        return 2
+    run_json = Path(argv[0])
+    env, cfg = DistEnv.from_env(), None
+    try:
+        cfg = load_run_config(run_json)
+        env = DistEnv.from_env(cfg.num_nodes)
+        from trainer import loop  # heavy imports (torch, deepspeed) only once the config is sound
+
+        summary = loop.train(cfg, env)
+        loop.write_final(cfg, env, summary)
+        return 0
+    except TrainerError as exc:
+        if env.is_main or not exc.everywhere:
+            where = "" if env.is_main else f" (rank {env.rank})"
+            print(f"trainer: error{where}: {exc}", file=sys.stderr, flush=True)
+            _record_failure(cfg, run_json, env, str(exc))
+        return 2
+    except Exception as exc:  # the one top-level catch: record the failure, keep the traceback
+        _record_failure(cfg, run_json, env, f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def _record_failure(cfg: RunConfig | None, run_json: Path, env: DistEnv, message: str) -> None:
+    if not env.is_main:
+        return
+    from trainer.metrics import write_summary
+
+    run_dir = cfg.run_dir if cfg else run_json.resolve().parent
+    if run_dir.is_dir():
+        write_summary(run_dir, {"state": "failed", "run_id": cfg.run_id if cfg else None, "error": message})
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

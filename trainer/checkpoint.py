@@ -1,0 +1,175 @@
+"""Checkpoints: save (every rank), upload (local rank 0 of each node), prune, and resume.
+
+A checkpoint is DeepSpeed's save dir checkpoints/step<N>/ (per-rank ZeRO shards) plus
+trainer_state.json, written next to the shards by each node's local rank 0:
+{"step", "samples_seen", "data_seed", "world_size", "train_batch_size"}. The same values go
+into DeepSpeed's client_state; the side file lets resume check the world size before
+DeepSpeed loads anything.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch.distributed as dist
+
+from trainer.config import DistEnv, RunConfig, TrainerError
+
+CKPT_DIR = "checkpoints"
+STATE_FILE = "trainer_state.json"
+_TAG_STEP = re.compile(r"^step(\d+)$")
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where training stands: optimizer steps done and samples consumed from the data order."""
+
+    step: int = 0
+    samples_seen: int = 0
+
+
+def open_store(cfg: RunConfig, log: Callable[[str], None]):
+    """The object store from run.json's storage block, or None when there is none."""
+    if not cfg.storage or not cfg.storage.get("url"):
+        return None
+    from trainer.objstore import CheckpointStore  # light: no torch; boto3 only for s3://
+
+    try:
+        return CheckpointStore.from_config(cfg.storage, log=log)
+    except ValueError as exc:
+        raise TrainerError(f"run.json storage: {exc}") from None
+
+
+class Checkpointer:
+    """Saves tags, hands them to the background uploader, keeps `keep_local` on disk."""
+
+    def __init__(self, engine, cfg: RunConfig, env: DistEnv, store, log: Callable[[str], None]):
+        self.engine, self.cfg, self.env, self.log = engine, cfg, env, log
+        self.dir = cfg.run_dir / CKPT_DIR
+        self.uploader = None
+        self.last_tag: str | None = None
+        if store is not None and env.is_local_main:
+            from trainer.objstore import BackgroundUploader
+
+            self.uploader = BackgroundUploader(store, env.node_rank, cfg.num_nodes)
+
+    def save(self, pos: Position, train_batch_size: int) -> str:
+        tag = f"step{pos.step}"
+        state = {"step": pos.step, "samples_seen": pos.samples_seen, "data_seed": self.cfg.train.seed,
+                 "world_size": self.env.world_size, "train_batch_size": train_batch_size}
+        self.engine.save_checkpoint(str(self.dir), tag=tag, client_state=state)
+        if self.env.is_local_main:
+            (self.dir / tag / STATE_FILE).write_text(json.dumps(state) + "\n")
+        dist.barrier()  # every shard of this node is on disk before upload
+        if self.uploader is not None:
+            self.uploader.submit(self.dir / tag, tag, pos.step, self.env.world_size)
+        if self.env.is_local_main:
+            self.log(f"checkpoint {tag} saved" + (", uploading" if self.uploader else ""))
+            self.prune()
+        self.last_tag = tag
+        return tag
+
+    def finish(self) -> None:
+        """Final sync: wait for every upload of this node, prune, then meet the other ranks."""
+        if self.uploader is not None:
+            from trainer.objstore import StorageError
+
+            self.log("waiting for checkpoint uploads to finish")
+            try:
+                self.uploader.close()
+            except StorageError as exc:
+                raise TrainerError(f"checkpoint upload failed: {exc}", everywhere=False) from None
+            self.prune()
+        dist.barrier()
+
+    def prune(self) -> None:
+        """Delete local tags beyond the newest keep_local, but only ones already uploaded."""
+        tags = sorted(local_tags(self.dir), key=lambda t: t[0])
+        uploaded = self.uploader.uploaded_tags() if self.uploader is not None else None
+        for _step, tag in tags[:-self.cfg.train.keep_local]:
+            if uploaded is None or tag in uploaded:
+                shutil.rmtree(self.dir / tag, ignore_errors=True)
+
+
+def local_tags(ckpt_dir: Path) -> list[tuple[int, str]]:
+    if not ckpt_dir.is_dir():
+        return []
+    return [(int(m.group(1)), p.name) for p in ckpt_dir.iterdir()
+            if p.is_dir() and (m := _TAG_STEP.match(p.name))]
+
+
+def resume(engine, cfg: RunConfig, env: DistEnv, store, log: Callable[[str], None]) -> Position:
+    """Load the checkpoint run.json asks for; returns where to continue (step 0 when fresh)."""
+    if cfg.resume is None:
+        return Position()
+    if cfg.resume.startswith("/"):
+        load_dir, tag = locate_local(Path(cfg.resume))
+    else:
+        load_dir, tag = fetch_from_store(cfg, env, store, log)
+    check_compatible(load_dir / tag, env)
+    load_path, client_state = engine.load_checkpoint(str(load_dir), tag=tag)
+    if load_path is None or not client_state:
+        raise TrainerError(f"DeepSpeed could not load checkpoint {load_dir / tag}")
+    if client_state.get("data_seed") != cfg.train.seed:
+        log(f"warning: checkpoint data_seed {client_state.get('data_seed')} != train.seed "
+            f"{cfg.train.seed}; the data order will not continue exactly")
+    log(f"resumed from {load_dir / tag} at step {client_state['step']}")
+    return Position(step=int(client_state["step"]), samples_seen=int(client_state["samples_seen"]))
+
+
+def locate_local(path: Path) -> tuple[Path, str]:
+    """A save dir holding `latest` (its tag), or a tag dir itself."""
+    if (path / "latest").is_file():
+        return path, (path / "latest").read_text().strip()
+    if path.is_dir() and any(path.glob("*model_states.pt")):
+        return path.parent, path.name
+    raise TrainerError(f"resume {path}: not a DeepSpeed save dir (no 'latest' file) nor a checkpoint tag dir")
+
+
+def fetch_from_store(cfg: RunConfig, env: DistEnv, store, log) -> tuple[Path, str]:
+    """Local rank 0 of each node downloads the tag into checkpoints/; the others wait."""
+    if store is None:
+        raise TrainerError(f"resume {cfg.resume!r} needs object storage, but run.json has none")
+    from trainer.objstore import StorageError
+
+    dest = cfg.run_dir / CKPT_DIR
+    error = None
+    if env.is_local_main:
+        try:
+            info = store.download(None if cfg.resume == "latest" else cfg.resume, dest)
+            log(f"downloaded checkpoint {info.tag} (step {info.step}) from {store.url}")
+        except StorageError as exc:
+            error = f"cannot fetch checkpoint {cfg.resume!r}: {exc}"
+    failed = _any_failed(error is not None)
+    if failed:
+        raise TrainerError(error or "checkpoint download failed on another node", everywhere=error is None)
+    return dest, (dest / "latest").read_text().strip()
+
+
+def _any_failed(flag: bool) -> bool:
+    """All ranks learn whether any rank failed (also serves as the barrier)."""
+    import torch
+
+    t = torch.tensor([1.0 if flag else 0.0])
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t)
+    return t.item() > 0
+
+
+def check_compatible(tag_dir: Path, env: DistEnv) -> None:
+    state_file = tag_dir / STATE_FILE
+    if not tag_dir.is_dir():
+        raise TrainerError(f"checkpoint {tag_dir} does not exist")
+    if state_file.is_file():
+        saved = json.loads(state_file.read_text())["world_size"]
+    else:  # a save dir not written by this trainer: count the ZeRO optimizer shards
+        saved = len(list(tag_dir.glob("*zero_pp_rank_*optim_states.pt"))) or env.world_size
+    if saved != env.world_size:
+        raise TrainerError(f"checkpoint {tag_dir.name} was saved by {saved} ranks but this run has "
+                           f"{env.world_size}; resume needs the same world size (or export the weights "
+                           "with zero_to_fp32 and start a new run from them)")
