@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from provision.plan import KNOWN_MODELS, GB, PlanError, PlanInput, PlanResult, find_gpu, plan  # noqa: E402
+from provision.plan import GB, KNOWN_MODELS, PlanError, PlanInput, PlanResult, plan  # noqa: E402
 
 TINY_SMOKE = dict(hidden=256, heads=4, intermediate=688, vocab=1024)
 
@@ -74,7 +74,7 @@ def plan_for(args: argparse.Namespace, gpu_name: str, gpu_mem_gb: float | None) 
 
 def print_plan(pred: PlanResult) -> None:
     m = pred.memory
-    print(f"plan: {pred.model.name} {pred.params / 1e9:.2f}e9 params on {pred.gpu.name}: {m.total_gb:.1f} GB per GPU "
+    print(f"plan: {pred.model.name} {pred.params / 1e6:,.1f}M params on {pred.gpu.name}: {m.total_gb:.1f} GB per GPU "
           f"(model states {m.model_states_bytes / GB:.1f}, buffers {m.buffers_gb:.1f}, activations "
           f"{m.activations_gb:.1f}, fragmentation {m.fragmentation_gb:.1f}, context {m.cuda_context_gb:.1f}) of "
           f"{pred.gpu_capacity_gb:.0f} GB -> {'fits' if pred.fits else 'does NOT fit'}")
@@ -113,6 +113,9 @@ def run(args: argparse.Namespace) -> dict:
         raise CannotRun("gpu_check: torch is not installed (pip install torch deepspeed transformers)") from exc
     if args.cpu_smoke:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        if args.precision == "fp16":
+            print("gpu_check: --cpu-smoke uses bf16 (DeepSpeed's CPU accelerator has no fp16)")
+            args.precision = "bf16"
         dev, gpu_name, gpu_mem = torch.device("cpu"), args.gpu or "RTX 4090", None
     else:
         if not torch.cuda.is_available():
@@ -160,11 +163,16 @@ def run(args: argparse.Namespace) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     assert n_params == pred.params, (n_params, pred.params)
     if not args.no_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    zero: dict = {"stage": args.zero_stage, "contiguous_gradients": True, "overlap_comm": False,
-                  "reduce_bucket_size": 500_000_000}
+        kwargs = {"use_reentrant": False}  # transformers 5 renamed the method; 4.x has only the old name
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    cuda = dev.type == "cuda"  # the same ZeRO settings as gpuctl's templates/ds_config.json.j2
+    zero: dict = {"stage": args.zero_stage, "contiguous_gradients": True, "overlap_comm": cuda,
+                  "reduce_bucket_size": 200_000_000, "allgather_bucket_size": 200_000_000}
     if args.offload == "cpu":
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
     ds_config = {
         "train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}},
@@ -188,7 +196,7 @@ def run(args: argparse.Namespace) -> dict:
         engine.step()
         sync()
         times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
+        losses.append(loss.detach().float().item())
         print(f"step {step}: loss {losses[-1]:.4f}  {times[-1]:.2f} s  "
               f"{args.micro_batch * args.seq_len / times[-1]:,.0f} tokens/s", flush=True)
 
@@ -220,7 +228,7 @@ def report(res: dict) -> None:
     print(f"\nmeasured: {res['tokens_per_s']:,.0f} tokens/s, {res['tflops_per_gpu']:.1f} TFLOP/s per GPU (with "
           f"recompute), MFU {res['mfu']:.1%} of {res['peak_tflops']:g} TFLOP/s; plan "
           f"{p['tokens_per_s_low']:,.0f}-{p['tokens_per_s_high']:,.0f} tokens/s; "
-          f"{res['skipped_steps']} fp16-overflow steps skipped")
+          f"{res['skipped_steps']} overflow steps skipped")
     if "peak_allocated_gb" in res:
         print(f"measured: peak allocated {res['peak_allocated_gb']:.2f} GB, reserved {res['peak_reserved_gb']:.2f} GB,"
               f" device in use now {res['device_used_now_gb']:.2f} GB; plan {p['gpu_gb_per_rank']:.2f} GB per GPU "

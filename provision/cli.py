@@ -87,6 +87,29 @@ def up(config: ConfigOpt = None, yes: YesOpt = False,
     cluster.up(cfg, UpOptions(dry_run=dry_run, assume_yes=yes, confirm=confirm, say=say))
 
 
+@app.command()
+@handled
+def offers(config: ConfigOpt = None, as_json: JsonOpt = False,
+           limit: Annotated[int, typer.Option(help="rows to show")] = 15) -> None:
+    """List the rentable machines that match the config's cloud provider, cheapest first."""
+    from dataclasses import asdict
+
+    from provision.errors import ConfigError
+    from provision.providers import backend
+
+    cfg = _config(config)
+    provider = backend(cfg.provider.kind)
+    if not hasattr(provider, "find_offers"):
+        raise ConfigError(f"provider {cfg.provider.kind} rents nothing", "offers are for vast, runpod and aws")
+    rows = provider.find_offers(cfg.provider)[:limit]
+    if as_json:
+        typer.echo(json.dumps([asdict(o) for o in rows], indent=2))
+        return
+    from provision.views import print_offers
+
+    print_offers(rows, f"{cfg.provider.kind} offers {provider.filters_text(cfg.provider)}")
+
+
 def _follow_to_end(run, detach_hint: bool = True) -> int:
     from provision import job
 
@@ -232,6 +255,33 @@ def down(config: ConfigOpt = None, yes: YesOpt = False,
     clusters.down(name, say)
 
 
+@app.command(context_settings={"allow_interspersed_args": False})
+@handled
+def ssh(command: Annotated[Optional[list[str]], typer.Argument(
+            help="one argument: a shell command line; several: a command and its arguments, passed verbatim; "
+                 "none: a login shell")] = None,
+        node: Annotated[int, typer.Option("--node", "-n", help="node index (0 = first)")] = 0,
+        config: ConfigOpt = None,
+        cluster: Annotated[Optional[str], typer.Option(help="cluster name")] = None) -> None:
+    """Open a shell (or run a command) on a node, checking the host key gpuctl pinned."""
+    import subprocess
+
+    from provision.sshconfig import ssh_argv
+
+    raise typer.Exit(subprocess.call(ssh_argv(_cluster_name(config, cluster), node, command or [])))
+
+
+@app.command("forget-host")
+@handled
+def forget_host(host: Annotated[str, typer.Argument(help="host, host:port or user@host:port")]) -> None:
+    """Forget a host's pinned SSH key (after the machine was really reinstalled)."""
+    from provision.ssh import forget_host as forget
+
+    removed = forget(host)
+    say(f"forgot {removed} pinned key(s) of {host}; the next `gpuctl up` pins the new one "
+        "(`gpuctl down` first if a cluster on it is still up)" if removed else f"no pinned key for {host}")
+
+
 @app.command("run")
 @handled
 def run_all(config: ConfigOpt = None, yes: YesOpt = False) -> None:
@@ -250,6 +300,42 @@ def run_all(config: ConfigOpt = None, yes: YesOpt = False) -> None:
         if code != 130:  # detached by Ctrl-C: the run goes on, so does its cluster
             cluster.down(cfg.cluster_name, say)
     raise typer.Exit(code)
+
+
+image_app = typer.Typer(help="The trainer image: build it here, ship it to docker nodes.", no_args_is_help=True)
+app.add_typer(image_app, name="image")
+TagOpt = Annotated[Optional[str], typer.Option("--tag", "-t", help="image name (default: provider.image)")]
+
+
+@image_app.command("build")
+@handled
+def image_build(config: ConfigOpt = None, tag: TagOpt = None,
+                push: Annotated[bool, typer.Option("--push", help="push to the registry after building")] = False,
+                ) -> None:
+    """docker build the trainer image here (context: docker.context); --push uploads it."""
+    from provision import image
+
+    cfg = _config(config)
+    name = tag or image.image_name(cfg)
+    found = image.build(cfg, name, push=push, say=say)
+    say(f"built {name} ({found[:19]}){'; pushed' if push else ''}")
+
+
+@image_app.command("ship")
+@handled
+def image_ship(config: ConfigOpt = None, cluster: Annotated[Optional[str], typer.Option(help="cluster name")] = None,
+               how: Annotated[Optional[str], typer.Option(
+                   "--how", help="pull | load | build | auto (default: docker.ship)")] = None) -> None:
+    """Make every node of the cluster have the image; nodes that have it already are skipped."""
+    from provision import image, state
+
+    cfg = _config(config)
+    record = state.load_cluster(cluster or cfg.cluster_name)
+    if record.runtime != "docker":
+        say(f"cluster {record.name} runs with runtime {record.runtime}: nothing to ship")
+        return
+    for result in image.ship_cluster(cfg, record, say, how=how):
+        say(f"{result.node}: {result.action} {(result.image_id or '')[:19]}")
 
 
 def main() -> None:

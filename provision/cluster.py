@@ -6,7 +6,7 @@ from typing import Callable
 
 from provision import job, state
 from provision.config import GpuctlConfig, check_batch
-from provision.errors import GpuctlError
+from provision.errors import GpuctlError, RemoteError
 from provision.providers import backend
 from provision.providers.base import UpOptions
 
@@ -25,6 +25,15 @@ def up(cfg: GpuctlConfig, opts: UpOptions) -> state.ClusterRecord | None:
         check_batch(cfg.train, record.world_size)
         state.save_cluster(record)
         opts.say(f"cluster {record.name} is up: {record.world_size} ranks on {len(record.nodes)} node(s)")
+        if record.runtime == "docker":  # the image goes out now, not at the first `train`
+            from provision.image import ship_cluster
+
+            ship_cluster(cfg, record, opts.say)
+        from provision import sshconfig
+
+        sshconfig.refresh()
+        if sshconfig.ssh_reachable(record):
+            opts.say(sshconfig.include_hint(record))
     return record
 
 
@@ -41,13 +50,26 @@ def down(name: str, say: Callable[[str], None] = print) -> bool:
     if cluster is None:
         say(f"cluster {name} is not up; nothing to do")
         return False
+    provider = backend(cluster.provider)
     for run in active_runs(name):
         say(f"stopping run {run.run_id}")
-        if not job.cancel(run):
+        try:
+            stopped = job.cancel(run)
+        except RemoteError as exc:
+            if not getattr(provider, "terminates_nodes", False):
+                raise
+            # A cloud node may have torn itself down already; terminating it ends the run anyway.
+            say(f"cannot reach the node of run {run.run_id} ({exc.message}); terminating it ends the run")
+            state.update_run(run.run_id, state="lost")
+            continue
+        if not stopped:
             raise GpuctlError(f"run {run.run_id} on {name} did not stop",
                               f"retry `gpuctl down`, or stop process group {run.pgid} on the node")
-    backend(cluster.provider).down(cluster, say)
+    provider.down(cluster, say)
     state.delete_cluster(name)
+    from provision import sshconfig
+
+    sshconfig.refresh()
     say(f"cluster {name} is down")
     return True
 

@@ -47,6 +47,10 @@ class SSHProvider(Strict):
     image: str | None = Field(None, description="container image for runtime docker")
     connect_timeout: float = Field(10, gt=0, le=600)
     ready_timeout: float = Field(120, gt=0, le=3600, description="retry a booting node until then")
+    workdir: str | None = Field(None, description="node folder for run dirs (same path on every node); "
+                                "default <first node's $HOME>/gpuctl")
+    authorized_keys: str = Field("~/.ssh/authorized_keys", description="file the nodes' sshd reads keys "
+                                 "from; with 2+ hosts gpuctl adds the cluster's own key there for pdsh")
 
     @field_validator("hosts")
     @classmethod
@@ -72,8 +76,15 @@ class CloudProvider(Strict):
     max_hours: float | None = Field(None, gt=0, description="node tears itself down after this")
     max_cost: float | None = Field(None, gt=0, description="node tears itself down after spending this")
     image: str = Field("ghcr.io/gpuctl/trainer:0.1.0", description="container image for the node")
-    api_url: str | None = Field(None, description="vendor API base; default the vendor's")
+    runtime: Literal["auto", "docker", "image", "none"] = Field(
+        "auto", description="auto: vast/runpod boot the image, aws runs it with docker")
+    api_url: str | None = Field(None, description="vendor API base (a proxy or test server); default the vendor's")
     python: str = "python3"
+    ready_timeout: float = Field(900, gt=0, le=7200, description="seconds a new node has to answer SSH")
+    workdir: str | None = Field(None, description="node folder for run dirs; default $HOME/gpuctl")
+    cpu_ranks_fallback: int | None = Field(
+        None, ge=1, le=64, description="a node that shows no GPU runs this many CPU ranks (test stand-ins); "
+        "None: a node without a visible GPU is an error and is terminated")
 
 
 class VastProvider(CloudProvider):
@@ -84,8 +95,10 @@ class VastProvider(CloudProvider):
 
 class RunPodProvider(CloudProvider):
     kind: Literal["runpod"] = "runpod"
+    gpu: str = Field("NVIDIA GeForce RTX 4090", description="RunPod gpuTypeId")
     cloud_type: Literal["SECURE", "COMMUNITY", "ALL"] = "ALL"
     interruptible: bool = False
+    bid_per_gpu: float | None = Field(None, gt=0, description="spot bid $/h per GPU; default the current minimum")
 
 
 class AWSProvider(CloudProvider):
@@ -95,7 +108,14 @@ class AWSProvider(CloudProvider):
     instance_type: str = "g5.12xlarge"
     region: str = "us-east-1"
     ami_name: str = "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) *"
-    key_name: str | None = None
+    ami_owner: str = Field("amazon", description="describe_images Owners: amazon, self, or an account id")
+    ami_id: str | None = Field(None, description="use this AMI instead of looking ami_name up")
+    key_name: str | None = Field(None, description="also let this existing EC2 key pair log in; gpuctl "
+                                 "itself always uses the cluster's own key (imported, or via user data)")
+    ssh_user: str = Field("ubuntu", description="login user of the AMI")
+    ssh_cidr: str | None = Field(None, description="who may reach port 22; default your public IP/32")
+    price_per_hour: float | None = Field(None, gt=0, description="$/h per node for cost and caps; "
+                                         "default gpuctl's on-demand table for the type")
 
 
 Provider = Annotated[
@@ -153,12 +173,26 @@ class StorageConfig(Strict):
         return url
 
 
+class DockerConfig(Strict):
+    """How runtime docker gets the image to a node and runs the launcher in it."""
+
+    ship: Literal["auto", "pull", "load", "build"] = Field(
+        "auto", description="pull: from the registry; load: docker save | ssh | docker load of the "
+        "laptop's copy; build: build on the node; auto: load when the laptop has the image, else pull")
+    shm_size: str = Field("16g", pattern=r"^[0-9]+[bkmgBKMG]?$", description="docker run --shm-size")
+    mounts: list[str] = Field(default_factory=list, description="extra docker run -v SRC:DST[:ro]")
+    run_args: list[str] = Field(default_factory=list, description="extra docker run arguments")
+    context: str | None = Field(None, description="build context (default: gpuctl's own source tree)")
+    dockerfile: str = Field("Dockerfile", description="relative to the build context")
+
+
 class GpuctlConfig(Strict):
     name: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9-]{0,39}$", description="cluster name")
     provider: Provider = Field(default_factory=LocalProvider)
     train: TrainConfig = Field(default_factory=TrainConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
     teardown: Literal["never", "after-train"] = "never"
+    docker: DockerConfig = Field(default_factory=DockerConfig)
     env: dict[str, str] = Field(default_factory=dict, description="extra env for the ranks")
 
     # Where the file was read from; relative paths resolve against it.

@@ -28,3 +28,17 @@ class NotFoundError(GpuctlError):
 
 class RemoteError(GpuctlError):
     exit_code = 4
+
+
+class ProviderError(GpuctlError):
+    """A cloud provider's API refused a request or kept failing."""
+
+    exit_code = 5
+
+
+class AuthError(ProviderError):
+    """The provider rejected (or we lack) the API key. The message never contains the key."""
+
+
+class NoOfferError(ProviderError):
+    """No rentable machine matches the configured filters."""

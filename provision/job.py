@@ -32,6 +32,15 @@ def run_dir_of(workdir: str, run_id: str) -> str:
     return f"{workdir.rstrip('/')}/runs/{run_id}"
 
 
+def budget_left_s(cluster: state.ClusterRecord) -> int:
+    """Seconds until the cluster's budget cap (max_hours, max_cost at its price) is spent."""
+    left = cluster.created_at + cluster.budget_hours * 3600 - time.time()
+    if left < 1:
+        raise GpuctlError(f"cluster {cluster.name} has spent its budget cap ({cluster.budget_hours:.2f} h)",
+                          "`gpuctl down`, or raise provider.max_hours / max_cost and `gpuctl up` again")
+    return int(left)
+
+
 def bundle_spec(cfg: GpuctlConfig, cluster: state.ClusterRecord, run_id: str,
                 resume: str | None = None) -> BundleSpec:
     first = cluster.nodes[0]
@@ -41,12 +50,25 @@ def bundle_spec(cfg: GpuctlConfig, cluster: state.ClusterRecord, run_id: str,
                       python=cluster.python, accelerator=first.accelerator, gpu_name=first.gpu_name,
                       resume=resume, setup=getattr(prov, "setup", None))
     if len(cluster.nodes) > 1:
+        from provision.mesh import node_ssh_config
+
         spec.master_addr = first.address
         spec.ssh_port = first.port
-    teardown = backend(cluster.provider).self_teardown(cluster) if cfg.teardown == "after-train" else None
+        spec.ssh_config = node_ssh_config(first.workdir)  # written by mesh.setup at `up`
+    teardown = None
+    if cfg.teardown == "after-train" or cluster.budget_hours:
+        teardown = backend(cluster.provider).self_teardown(cluster)
     if teardown:
-        spec.after_run.append(teardown.argv)
         spec.secrets.update(teardown.env)
+        if cfg.teardown == "after-train":
+            spec.after_run.append(teardown.argv)
+        if cluster.budget_hours:  # the cap holds even if the run hangs (launch.sh's watchdog)
+            spec.watchdog_s = budget_left_s(cluster)
+            spec.watchdog_run.append(teardown.argv)
+    if cluster.runtime == "docker":  # last: the container gets every secret above by name
+        from provision.runtime import docker_run_for
+
+        spec.launcher_prefix = docker_run_for(cfg, cluster, spec).argv()
     return spec
 
 
@@ -59,6 +81,10 @@ def start_run(cfg: GpuctlConfig, cluster: state.ClusterRecord, *, resume: str | 
     bundle = render_bundle(cfg, spec, state.state_dir() / "runs" / run_id)
     nodes = backend(cluster.provider).nodes(cluster)
     try:
+        if cluster.runtime == "docker":  # a no-op (an ID check) when `up` shipped it already
+            from provision.image import ship_cluster
+
+            ship_cluster(cfg, cluster, say, nodes)
         for node, rec in zip(nodes, cluster.nodes):
             node.put_dir(bundle, run_dir_of(rec.workdir, run_id))
         pgid = nodes[0].start_detached(spec.run_dir, "launch.sh", "job.log")

@@ -71,7 +71,7 @@ _DEEPSEEK_7B = ModelDims("deepseek-7b", layers=30, hidden=4096, heads=32, interm
 KNOWN_MODELS: dict[str, ModelDims] = {
     "deepseek-7b": _DEEPSEEK_7B,
     "deepseek-ai/deepseek-llm-7b-base": _DEEPSEEK_7B,
-    "tiny": ModelDims("tiny", layers=4, hidden=128, heads=4, intermediate=344, vocab=260),
+    "tiny": ModelDims("tiny", layers=4, hidden=128, heads=4, intermediate=344, vocab=259),  # trainer: bytes + 3
 }
 
 
@@ -86,9 +86,9 @@ class GpuSpec:
 
 GPU_TABLE: tuple[GpuSpec, ...] = (
     GpuSpec("RTX 4090", 165.2, 82.6, 24, "NVIDIA Ada Lovelace GPU architecture whitepaper (330.4 with sparsity)"),
-    GpuSpec("H200", 989.4, 66.9, 141, "NVIDIA H200 datasheet (1,979 with sparsity; same SXM core as H100)"),
-    GpuSpec("H100 PCIe", 756.5, 51.2, 80, "NVIDIA H100 datasheet, PCIe column (1,513 with sparsity)"),
-    GpuSpec("H100", 989.4, 66.9, 80, "NVIDIA H100 datasheet, SXM column (1,979 with sparsity)"),
+    GpuSpec("H200", 989.0, 66.9, 141, "NVIDIA H200 datasheet (1,979 with sparsity; same SXM core as H100)"),
+    GpuSpec("H100 PCIe", 756.0, 51.2, 80, "NVIDIA H100 datasheet, PCIe column (1,513 with sparsity)"),
+    GpuSpec("H100", 989.0, 66.9, 80, "NVIDIA H100 datasheet, SXM column (1,979 with sparsity)"),
     GpuSpec("A100", 312.0, 19.5, 80, "NVIDIA A100 datasheet (624 with sparsity)"),
     GpuSpec("A10G", 125.0, 31.2, 24, "NVIDIA A10 datasheet (AWS's A10G has no separate NVIDIA figure)"),
     GpuSpec("L4", 121.0, 30.3, 24, "NVIDIA L4 datasheet (242 with sparsity)"),
@@ -160,8 +160,8 @@ class PlanInput:
     gpu: str = "RTX 4090"
     gpu_mem_gb: float | None = None  # None: the GPU table's figure
     attention: Literal["sdpa", "eager"] = "sdpa"
-    reduce_bucket_size: int = 500_000_000  # DeepSpeed default (elements)
-    overlap_comm: bool | None = None  # None: DeepSpeed's default (on for ZeRO-3 only)
+    reduce_bucket_size: int = 200_000_000  # elements; gpuctl's ds_config template (DeepSpeed's default: 5e8)
+    overlap_comm: bool | None = True  # template: on for CUDA (double bucket); None: DeepSpeed's default
     cuda_context_gb: float = 1.0  # CUDA context + cuBLAS workspace + NCCL buffers
     fragmentation: float = 0.10  # caching-allocator slack, fraction of allocated bytes
     additional_buffer_factor: float = 1.5  # DeepSpeed estimator default
@@ -226,7 +226,7 @@ class PlanResult:
     gpu_capacity_gb: float
     memory: GpuMemory
     host_ram_gb: float  # per node, DeepSpeed's estimate (includes additional_buffer_factor)
-    host_adam_states_gb: float  # per node, offloaded fp32 master + m + v + grads, no buffer factor
+    host_adam_states_gb: float  # per node: fp32 master + m + v + grads (+ fp16 params), no buffer factor
     fits: bool
     flops_per_token: float
     tokens_per_s_low: float
@@ -291,7 +291,7 @@ def _evaluate(inp: PlanInput) -> PlanResult:
     fpt = 6 * p * (8 / 6 if inp.gradient_checkpointing else 1)
     return PlanResult(
         input=inp, model=m, params=p, gpu=spec, gpu_capacity_gb=capacity, memory=mem,
-        host_ram_gb=ds_cpu / GB, host_adam_states_gb=(16 * p / inp.nodes if off else 0) / GB,
+        host_ram_gb=ds_cpu / GB, host_adam_states_gb=((16 + 2 * off_p) * p / inp.nodes if off else 0) / GB,
         fits=mem.total_gb <= capacity, flops_per_token=fpt,
         tokens_per_s_low=n * peak * inp.mfu_low / fpt, tokens_per_s_high=n * peak * inp.mfu_high / fpt,
         flop_ceiling_tokens_per_s=n * peak / (6 * p))

@@ -19,8 +19,11 @@ from provision.errors import RemoteError
 LineSink = Callable[[str], None]
 
 # Started in its own session so the whole run is one process group we can signal, and so
-# it survives gpuctl (or the SSH connection) going away.
-DETACH_SCRIPT = 'cd "$1" && setsid nohup bash "$2" > "$3" 2>&1 < /dev/null & echo $!'
+# it survives gpuctl (or the SSH connection) going away. The `cd` must not be part of the
+# backgrounded list: `cd && setsid ... &` forks a subshell that keeps the caller's stdout
+# (an SSH channel or pipe then stays open for the whole run) and whose pid ($!) is not the
+# run's process group. A lone simple command is forked and exec'd: $! = setsid's pid = pgid.
+DETACH_SCRIPT = 'cd "$1" || exit 97; setsid nohup bash "$2" > "$3" 2>&1 < /dev/null & echo $!'
 
 
 @dataclass

@@ -47,6 +47,12 @@ class ClusterRecord(BaseModel):
     image: str | None = None
     runtime: str = "none"  # none | docker | image
     python: str = "python3"
+    identity_file: str | None = None  # SSH private key for the nodes (None: agent / default keys)
+    # Cloud providers: where the vendor API is (api_url override, AWS region) so that `down`
+    # and self-teardown work from the record alone, without the config.
+    api_url: str | None = None
+    region: str | None = None
+    budget_hours: float | None = None  # the node tears itself down this long after created_at
 
     @property
     def world_size(self) -> int:

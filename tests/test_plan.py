@@ -1,4 +1,4 @@
-"""provision.plan: DeepSpeed-estimator parity, the DeepSeek-7B on 3x4090 verdicts, JSON shape, gpu_check's no-CUDA path."""
+"""provision.plan: DeepSpeed estimator parity, DeepSeek-7B on 3x4090 verdicts, JSON shape, gpu_check paths."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from provision.plan import (KNOWN_MODELS, ModelDims, PlanError, PlanInput, find_
                             render_plan_table, zero2_model_states_mem, zero3_model_states_mem)
 
 ROOT = Path(__file__).resolve().parents[1]
-DEEPSEEK = dict(model="deepseek-7b", gpus_per_node=3, nodes=1, zero_stage=2, micro_batch=1, seq_len=2048,
+DEEPSEEK = dict(model="deepseek-7b", gpus_per_node=3, nodes=1, micro_batch=1, seq_len=2048,
                 gradient_checkpointing=True, precision="fp16", gpu="RTX 4090", gpu_mem_gb=24)
 PARAM_COUNTS = [1_000_003, 124_439_808, 1_300_000_000, 6_910_365_696, 70_553_706_496]
 GPU_LAYOUTS = [(1, 1), (2, 1), (3, 1), (4, 2), (8, 3)]
@@ -74,6 +74,24 @@ def test_param_counts():
     assert KNOWN_MODELS["deepseek-7b"].largest_layer_params == 102400 * 4096  # embed_tokens / lm_head
     tiny = KNOWN_MODELS["tiny"]
     assert (tiny.hidden, tiny.layers, tiny.heads, tiny.intermediate) == (128, 4, 4, 344)
+
+
+def test_tiny_matches_the_trainers_tiny_model():
+    torch = pytest.importorskip("torch")
+    model_mod = pytest.importorskip("trainer.model")
+    tokenizer_mod = pytest.importorskip("trainer.tokenizer")
+    import transformers
+    cfg = transformers.LlamaConfig(vocab_size=len(tokenizer_mod.byte_tokenizer()), **model_mod.TINY_SHAPE)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    assert KNOWN_MODELS["tiny"].params == sum(t.numel() for t in model.parameters())
+
+
+def test_peaks_agree_with_the_trainers_mfu_table():
+    metrics = pytest.importorskip("trainer.metrics")
+    for name in ("NVIDIA GeForce RTX 4090", "NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe",
+                 "NVIDIA A100-SXM4-80GB", "NVIDIA A10G", "NVIDIA L4"):
+        assert find_gpu(name).peak_tflops_16bit == metrics.peak_tflops(name), name
 
 
 def test_param_count_matches_transformers():

@@ -100,7 +100,7 @@ def test_markdown_table_and_scaling_efficiency(tmp_path):
                            "baseline"]
     assert rows[1][:6] == ["gpu3", "3 GPU DP (still running or ended without summary.json)", "12", "2,400",
                            "18.1 GB", f"{2400 / (3 * 850):.0%}"]
-    assert "94%" == rows[1][5]
+    assert rows[1][5] == "94%"
     assert "first 1 skipped" in md
 
 

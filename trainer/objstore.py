@@ -36,15 +36,12 @@ Progress callbacks are ``progress(bytes_done, bytes_total)``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import re
 import shutil
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -56,8 +53,6 @@ from trainer.objstore_backends import (
     ObjectStat,
     Progress,
     ProgressFn,
-    S3Backend,
-    S3Options,
     StorageAuthError,
     StorageError,
     StorageNotFound,
@@ -65,8 +60,12 @@ from trainer.objstore_backends import (
     UploadError,
     UploadItem,
     VerificationError,
+    _hash_cache,  # noqa: F401  (re-exported: benchmarks clear it)
+    _hash_many,
     atomic_write_bytes,
+    sha256_file,
 )
+from trainer.objstore_s3 import S3Backend, S3Options
 
 __all__ = [
     "BackgroundUploader", "CheckpointInfo", "CheckpointStore", "FileEntry", "StorageAuthError",
@@ -101,33 +100,6 @@ class CheckpointInfo:
     size: int  # bytes: manifest total, or what is stored so far
     time: float  # epoch: manifest time, or the newest object's mtime
     files: list[FileEntry] = field(default_factory=list)
-
-
-# --------------------------------------------------------------------------- hashing
-_hash_cache: dict[tuple[str, int, int], str] = {}
-_hash_lock = threading.Lock()
-
-
-def sha256_file(path: Path) -> str:
-    """sha256 of a file, cached on (absolute path, size, mtime_ns)."""
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    with _hash_lock:
-        hit = _hash_cache.get(key)
-    if hit is not None:
-        return hit
-    with open(path, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
-    with _hash_lock:
-        _hash_cache[key] = digest
-    return digest
-
-
-def _hash_many(paths: list[Path]) -> list[str]:
-    if len(paths) <= 1:
-        return [sha256_file(p) for p in paths]
-    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-        return list(pool.map(sha256_file, paths))
 
 
 def _check_tag(tag: str) -> str:
@@ -177,7 +149,10 @@ class CheckpointStore:
     def from_config(cls, storage: dict, log: Callable[[str], None] | None = None
                     ) -> "CheckpointStore":
         """storage = {"url": "file:///abs" | "s3://bucket/prefix", "endpoint_url", "region",
-        "profile", "keep": K} plus optional S3 tuning keys named as in S3Options."""
+        "profile", "keep": K}; optional S3 tuning keys, named as S3Options' fields:
+        multipart_threshold, multipart_chunksize (bytes), max_concurrency, max_attempts
+        (per request, botocore standard retry mode), connect_timeout, read_timeout (s).
+        Credentials come from boto3's chain (env, profile, instance role), never from here."""
         url = storage.get("url") or ""
         parsed = urlparse(url)
         keep = storage.get("keep")
@@ -267,7 +242,7 @@ class CheckpointStore:
         _check_tag(tag)
         t0 = time.monotonic()
         local = _local_files(Path(local_tag_dir))
-        hashes = dict(zip(local, _hash_many(list(local.values()))))
+        hashes = dict(zip(local, _hash_many(list(local.values())), strict=True))
         sizes = {rel: p.stat().st_size for rel, p in local.items()}
         marker_key = f"{tag}/{NODES_DIR}/{node_rank}.json"
         marker = self._read_json(marker_key) or {}

@@ -86,13 +86,15 @@ class BackgroundUploader:
             return list(self._errors)
 
     def close(self, timeout: float | None = None) -> None:
-        """wait(), then stop the thread (it stops even if wait raises)."""
-        try:
-            self.wait(timeout)
-        finally:
-            self._stop.set()
-            self._queue.put(None)
-            self._thread.join(timeout=5)
+        """Stop the thread after the queue drains (at most ``timeout`` s). Does not raise:
+        call wait() for the final sync and its errors."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._pending and (deadline is None or time.monotonic() < deadline):
+                self._cond.wait(None if deadline is None else deadline - time.monotonic())
+        self._stop.set()
+        self._queue.put(None)
+        self._thread.join(timeout=5)
 
     # -- worker --------------------------------------------------------------------------
     def _run(self) -> None:

@@ -1,0 +1,343 @@
+"""What the rented-machine providers (vast, runpod, aws) share: the `up` flow, `down`, the nodes.
+
+A provider module subclasses CloudBackend and supplies the vendor calls (find_offers, launch,
+describe, terminate, list_instances, self_teardown). This module owns the rules around them:
+- `up` shows the pick, its $/h and the budget cap, asks (UpOptions.confirm), then creates;
+  every created instance is recorded in state at once, and a failure or Ctrl-C before the
+  cluster is ready terminates what this attempt created (nothing else);
+- ready means SSH answers with a banner and a command runs, not the vendor saying "running";
+- `down` terminates, then polls the vendor's own list until the instances are gone.
+gpuctl logs in with the cluster's own ed25519 key (provision/mesh.py's keypair, under the
+state dir in keys/<cluster>/), which is also the node-to-node key of a multi-node cluster.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from provision import mesh, state
+from provision.config import CloudProvider, check_batch
+from provision.errors import GpuctlError, NoOfferError, ProviderError
+from provision.providers.base import SelfTeardown, UpOptions
+from provision.remote import Node
+from provision.state import ClusterRecord, NodeRecord
+
+POLL_S = 2.0
+GONE_TIMEOUT_S = 300.0
+# The node-side teardown: HTTP calls with python3's urllib (present in any image that trains),
+# the key from $GPUCTL_TEARDOWN_KEY (secrets.env), never argv. argv: METHOD then URL BODY pairs,
+# the node running it last. 404 or "not found" counts as done; 429/5xx, GraphQL errors and
+# network errors are retried with backoff for about ten minutes.
+TEARDOWN_PY = """\
+import json, os, sys, time, urllib.error, urllib.request
+method, calls = sys.argv[1], list(zip(sys.argv[2::2], sys.argv[3::2]))
+headers = {"Authorization": "Bearer " + os.environ["GPUCTL_TEARDOWN_KEY"], "Content-Type": "application/json"}
+def call(url, body):
+    for attempt in range(12):
+        try:
+            req = urllib.request.Request(url, body.encode() or None, headers, method=method)
+            answer = urllib.request.urlopen(req, timeout=30).read()
+            doc = json.loads(answer) if answer.strip() else {}
+            errors = doc.get("errors") if isinstance(doc, dict) else None
+            if not errors or "not found" in str(errors).lower():
+                print("gpuctl: self-teardown accepted:", url.rsplit("/", 2)[-2] if not body else body[-40:])
+                return True
+            print("gpuctl: self-teardown retrying:", str(errors)[:200])
+        except urllib.error.HTTPError as err:
+            if err.code == 404:
+                return True
+            if err.code != 429 and err.code < 500:
+                print("gpuctl: self-teardown refused: HTTP", err.code)
+                return False
+            print("gpuctl: self-teardown retrying: HTTP", err.code)
+        except (OSError, ValueError) as err:
+            print("gpuctl: self-teardown retrying:", type(err).__name__)
+        time.sleep(min(60, 2 ** attempt))
+    return False
+sys.exit(0 if all([call(url, body) for url, body in calls]) else 1)
+"""
+
+@dataclass
+class Offer:
+    """One rentable machine shape at a price (per node)."""
+
+    id: str  # what launch() needs: a vast ask id, a runpod cloud type, an EC2 instance type
+    gpu_name: str
+    num_gpus: int
+    price_per_hour: float
+    ram_gb: float | None = None
+    disk_gb: float | None = None
+    where: str = ""
+    reliability: float | None = None
+    spot: bool = False
+
+
+@dataclass
+class Instance:
+    """What the vendor says about one instance right now."""
+
+    id: str
+    state: str  # the vendor's own word, for messages
+    ready: bool = False  # the vendor considers it running and gave an SSH address
+    failed: bool = False  # a terminal state: it will never become ready
+    address: str | None = None
+    port: int = 22
+    user: str = "root"
+    label: str = ""
+
+
+def http_teardown(python: str, method: str, calls: list[tuple[str, str]], key: str) -> SelfTeardown:
+    """The node's self-teardown as HTTP calls (url, body), in order; the key travels in env."""
+    argv = [python, "-c", TEARDOWN_PY, method]
+    for url, body in calls:
+        argv += [url, body]
+    return SelfTeardown(argv=argv, env={"GPUCTL_TEARDOWN_KEY": key})
+
+
+def node_last(cluster: ClusterRecord) -> list[str]:
+    """Instance ids with the first node (the one that runs launch.sh) last, so it ends itself last."""
+    ids = [n.instance_id for n in cluster.nodes if n.instance_id]
+    return ids[1:] + ids[:1]
+
+
+def budget_hours(prov: CloudProvider, price_per_hour: float) -> float | None:
+    caps = [prov.max_hours] if prov.max_hours else []
+    if prov.max_cost and price_per_hour > 0:
+        caps.append(prov.max_cost / price_per_hour)
+    return min(caps) if caps else None
+
+
+# --- the shared flow ------------------------------------------------------------------------------
+
+class CloudBackend:
+    kind = "cloud"
+    terminates_nodes = True  # down() removes the machines; cluster.down need not reach them first
+
+    # vendor calls, supplied by each provider module -----------------------------------------------
+    def find_offers(self, prov: CloudProvider) -> list[Offer]:
+        raise NotImplementedError
+
+    def filters_text(self, prov: CloudProvider) -> str:
+        raise NotImplementedError
+
+    def launch(self, prov: CloudProvider, cluster: ClusterRecord, index: int, offer: Offer,
+               public_key: str) -> str:
+        """Create one instance; returns its id as soon as the vendor gave one."""
+        raise NotImplementedError
+
+    def describe(self, cluster: ClusterRecord, instance_id: str) -> Instance | None:
+        """None when the vendor no longer has it."""
+        raise NotImplementedError
+
+    def terminate(self, cluster: ClusterRecord, instance_id: str) -> None:
+        """Idempotent: an instance that is already gone is fine."""
+        raise NotImplementedError
+
+    def list_instances(self, cluster: ClusterRecord) -> list[Instance]:
+        """What the vendor lists for this account (the source of truth for `down`)."""
+        raise NotImplementedError
+
+    def self_teardown(self, cluster: ClusterRecord) -> SelfTeardown | None:
+        raise NotImplementedError
+
+    def picks(self, offers: list[Offer], nodes: int) -> list[Offer]:
+        """The offers to launch, one per node; default: the cheapest shape for every node."""
+        return [offers[0]] * nodes
+
+    def prepare(self, prov: CloudProvider, cluster: ClusterRecord, public_key: str) -> None:
+        """Account-side things launch() needs (AWS: key pair, security group)."""
+
+    def release(self, cluster: ClusterRecord, say: Callable[[str], None]) -> None:
+        """Remove what prepare() made, once the instances are gone."""
+
+    def record_extra(self, prov: CloudProvider) -> dict:
+        return {}
+
+    # the ProviderBackend interface -------------------------------------------------------------
+    def up(self, cfg, opts: UpOptions) -> ClusterRecord | None:
+        prov = cfg.provider
+        offers = self.find_offers(prov)
+        if not offers:
+            raise NoOfferError(f"no {self.kind} offer matches {self.filters_text(prov)}",
+                               "relax the filters (max_price, min_ram_gb, gpu, gpus_per_node) or retry later; "
+                               "`gpuctl offers` lists what matches")
+        picks = self.picks(offers, prov.nodes)
+        price = sum(o.price_per_hour for o in picks)
+        cap = budget_hours(prov, price)
+        for i, offer in enumerate(picks):
+            opts.say(f"{self.kind} node {i}: {describe_offer(offer)}")
+        cap_text = (f"budget cap {cap:.2f} h = ${cap * price:.2f} (the node tears itself down then)" if cap
+                    else "no budget cap (set provider.max_hours or max_cost)")
+        opts.say(f"total ${price:.3f}/h; {cap_text}")
+        if opts.dry_run:
+            return None
+        if not opts.confirm(f"create {len(picks)} {self.kind} node(s) at ${price:.3f}/h?"):
+            raise GpuctlError("not confirmed: nothing was created", "rerun `gpuctl up` and answer y, or pass --yes")
+        _private, public_key = mesh.cluster_keypair(cfg.cluster_name)
+        record = ClusterRecord(name=cfg.cluster_name, provider=self.kind, nodes=[], price_per_hour=price,
+                               image=prov.image, runtime="image", python=prov.python, api_url=prov.api_url,
+                               identity_file=str(mesh.key_dir(cfg.cluster_name) / "id_ed25519"),
+                               budget_hours=cap, **self.record_extra(prov))
+        created: list[str] = []
+        try:
+            self.prepare(prov, record, public_key)
+            for i, offer in enumerate(picks):
+                instance_id = self.launch(prov, record, i, offer, public_key)
+                created.append(instance_id)
+                record.nodes.append(NodeRecord(host=f"node{i}", address="", instance_id=instance_id,
+                                               slots=offer.num_gpus, accelerator="cuda", gpu_name=offer.gpu_name))
+                state.save_cluster(record)  # `gpuctl down` finds it even if this process dies now
+                opts.say(f"created {self.kind} instance {instance_id}; waiting for it to boot")
+            deadline = time.monotonic() + prov.ready_timeout
+            for node in record.nodes:
+                self._ready(prov, record, node, deadline, opts.say)
+            check_batch(cfg.train, record.world_size)
+            if len(record.nodes) > 1:  # DeepSpeed's pdsh launcher: node-to-node SSH
+                mesh.setup(record, self.nodes(record), say=opts.say)
+        except BaseException as exc:  # Ctrl-C included: leave nothing behind
+            self._abort(record, created, opts.say, exc)
+            raise
+        return record
+
+    def nodes(self, cluster: ClusterRecord) -> list[Node]:
+        return [self.ssh_node(cluster, n) for n in cluster.nodes]
+
+    def down(self, cluster: ClusterRecord, say: Callable[[str], None]) -> None:
+        ids = [n.instance_id for n in cluster.nodes if n.instance_id]
+        for instance_id in ids:
+            self.terminate(cluster, instance_id)
+        self.wait_gone(cluster, ids)
+        self.release(cluster, say)
+        self._forget(cluster)
+        say(f"terminated {len(ids)} {self.kind} instance(s); {self.kind} no longer lists them")
+
+    # helpers -------------------------------------------------------------------------------------
+    def ssh_node(self, cluster: ClusterRecord, node: NodeRecord, *, pin_new: bool = False) -> Node:
+        from provision.ssh import SSHNode
+
+        return SSHNode.from_record(node, cluster.identity_file, pin_new=pin_new, label=f"{cluster.name}/{node.host}")
+
+    def wait_gone(self, cluster: ClusterRecord, ids: list[str], timeout_s: float = GONE_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = sorted({i.id for i in self.list_instances(cluster)} & set(ids))
+            if not left:
+                return
+            if time.monotonic() > deadline:
+                raise ProviderError(f"{self.kind} still lists instance(s) {', '.join(left)} "
+                                    f"{timeout_s:.0f}s after terminating them",
+                                    f"check the {self.kind} console, then retry `gpuctl down`")
+            time.sleep(POLL_S)
+
+    def _ready(self, prov: CloudProvider, cluster: ClusterRecord, node: NodeRecord, deadline: float,
+               say: Callable[[str], None]) -> None:
+        """Vendor says running with an address -> SSH banner -> a command runs -> probe GPUs."""
+        from provision.ssh import ConnectError, wait_for_ssh
+
+        seen = None
+        while True:
+            inst = self.describe(cluster, node.instance_id)
+            if inst is None or inst.failed:
+                what = "vanished" if inst is None else f"ended in state {inst.state!r}"
+                raise ProviderError(f"{self.kind} instance {node.instance_id} {what} while booting",
+                                    f"retry `gpuctl up`; check the {self.kind} console for its log")
+            if inst.ready and inst.address:
+                break
+            if inst.state != seen:
+                say(f"{self.kind} instance {node.instance_id}: {inst.state}")
+                seen = inst.state
+            if time.monotonic() > deadline:
+                raise ProviderError(f"{self.kind} instance {node.instance_id} still {inst.state!r} after "
+                                    f"{prov.ready_timeout:.0f}s", "raise provider.ready_timeout or retry")
+            time.sleep(POLL_S)
+        node.address, node.port, node.user = inst.address, inst.port, inst.user
+        wait_for_ssh(inst.address, inst.port, deadline, say=say)
+        ssh = self.ssh_node(cluster, node, pin_new=True)
+        try:
+            while True:  # sshd answers before the key is installed on some images: retry auth
+                try:
+                    home = ssh.home()
+                    break
+                except ConnectError as exc:
+                    if time.monotonic() > deadline:
+                        raise
+                    say(f"waiting for SSH login: {exc.message}")
+                    time.sleep(POLL_S)
+            self._probe(prov, node, ssh, home, say)
+        finally:
+            ssh.close()
+
+    def _probe(self, prov: CloudProvider, node: NodeRecord, ssh: Node, home: str,
+               say: Callable[[str], None]) -> None:
+        node.workdir = prov.workdir or f"{home.rstrip('/')}/gpuctl"
+        out = ssh.sh("command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name --format=csv,noheader",
+                     check=False, timeout=60).stdout
+        gpus = [line.strip() for line in out.splitlines() if line.strip()]
+        if gpus:
+            node.slots = min(len(gpus), prov.gpus_per_node)
+            node.accelerator, node.gpu_name = "cuda", gpus[0]
+            if len(gpus) < prov.gpus_per_node:
+                say(f"warning: {node.host} shows {len(gpus)} GPU(s), fewer than the {prov.gpus_per_node} rented")
+        elif prov.cpu_ranks_fallback:
+            node.slots, node.accelerator, node.gpu_name = prov.cpu_ranks_fallback, "cpu", None
+            say(f"warning: {node.host} shows no GPU (no nvidia-smi output); running "
+                f"{prov.cpu_ranks_fallback} CPU ranks (provider.cpu_ranks_fallback)")
+        else:
+            raise ProviderError(f"{self.kind} instance {node.instance_id} shows no GPU (nvidia-smi found none)",
+                                "pick another offer; set provider.cpu_ranks_fallback only for CPU test stand-ins")
+
+    def _abort(self, cluster: ClusterRecord, created: list[str], say: Callable[[str], None],
+               exc: BaseException) -> None:
+        """Terminate what this attempt created. A second Ctrl-C cannot cut this short."""
+        why = "interrupted" if isinstance(exc, KeyboardInterrupt) else "up failed"
+        restore = None
+        if threading.current_thread() is threading.main_thread():
+            restore = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            if created:
+                say(f"{why}: terminating the {len(created)} instance(s) this attempt created")
+            left = []
+            for instance_id in created:
+                try:
+                    self.terminate(cluster, instance_id)
+                except GpuctlError as err:
+                    left.append(instance_id)
+                    say(f"could not terminate {self.kind} instance {instance_id}: {err.one_line()}")
+            if not left:
+                try:
+                    self.wait_gone(cluster, created, timeout_s=120)
+                    self.release(cluster, say)
+                except GpuctlError as err:
+                    left = created
+                    say(err.one_line())
+            if left:
+                say(f"cluster {cluster.name} stays recorded: run `gpuctl down` to finish removing it")
+            else:
+                state.delete_cluster(cluster.name)
+                self._forget(cluster)
+        finally:
+            if restore is not None:
+                signal.signal(signal.SIGINT, restore)
+
+    def _forget(self, cluster: ClusterRecord) -> None:
+        """Cloud addresses are reused: drop the nodes' pinned host keys and the cluster key."""
+        from provision.ssh import forget_host
+
+        for node in cluster.nodes:
+            if node.address:
+                forget_host(f"{node.address}:{node.port}")
+        shutil.rmtree(mesh.key_dir(cluster.name), ignore_errors=True)
+
+
+def describe_offer(offer: Offer) -> str:
+    extra = [f"{offer.ram_gb:.0f} GB RAM" if offer.ram_gb else "", f"{offer.disk_gb:.0f} GB disk" if offer.disk_gb else "",
+             offer.where, f"reliability {offer.reliability:.3f}" if offer.reliability is not None else "",
+             "spot" if offer.spot else ""]
+    details = ", ".join(e for e in extra if e)
+    return (f"offer {offer.id}: {offer.num_gpus} x {offer.gpu_name} at ${offer.price_per_hour:.3f}/h"
+            + (f" ({details})" if details else ""))

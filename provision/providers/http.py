@@ -1,0 +1,160 @@
+"""The one JSON-over-HTTP client the vendor APIs share (stdlib urllib, no requests).
+
+- auth travels in a header (`Authorization: Bearer KEY`), never in a URL, argv or message;
+- 429, 5xx and connection failures are retried with jittered exponential backoff (tenacity),
+  a bounded number of times, honouring Retry-After; then one clear ProviderError;
+- 401/403 become AuthError naming where the key came from, never the key itself;
+- 404 becomes ApiNotFound so terminate() can treat "already gone" as success.
+Every message passes through `redact`, so even a server that echoes the key back cannot leak it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
+
+from provision.errors import AuthError, ConfigError, ProviderError
+
+USER_AGENT = "gpuctl/0.1"
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 6  # tries in all, the first included
+    first_wait_s: float = 1.0
+    max_wait_s: float = 20.0  # one wait never exceeds this (Retry-After included)
+    timeout_s: float = 30.0  # per request
+
+
+DEFAULT_RETRY = RetryPolicy()
+
+
+class ApiNotFound(ProviderError):
+    """HTTP 404: the thing asked about does not exist (any more)."""
+
+
+class _Transient(Exception):
+    def __init__(self, detail: str, retry_after: float | None = None):
+        super().__init__(detail)
+        self.detail = detail
+        self.retry_after = retry_after
+
+
+def redact(text: str, secret: str | None) -> str:
+    if secret and len(secret) >= 4:
+        text = text.replace(secret, "***")
+    return text
+
+
+def load_key(vendor: str, env_var: str, files: list[Path], parse=lambda text: text.strip()) -> tuple[str, str]:
+    """The API key and where it came from (for messages). Raises AuthError when there is none."""
+    if os.environ.get(env_var, "").strip():
+        return os.environ[env_var].strip(), f"${env_var}"
+    for path in files:
+        path = path.expanduser()
+        if path.is_file():
+            key = parse(path.read_text())
+            if key:
+                return key, str(path)
+    where = " or ".join([f"${env_var}", *(str(p) for p in files)])
+    raise AuthError(f"no {vendor} API key found (looked in {where})", f"export {env_var}=... (your {vendor} API key)")
+
+
+class JsonApi:
+    """A vendor's JSON API at base_url. `key_source` names where the key came from, for messages."""
+
+    def __init__(self, vendor: str, base_url: str, key: str, key_source: str,
+                 retry: RetryPolicy | None = None):
+        if not base_url.startswith(("http://", "https://")):
+            raise ConfigError(f"provider.api_url {base_url!r} is not an http(s) URL", "give the full URL")
+        self.vendor = vendor
+        self.base_url = base_url.rstrip("/")
+        self._key = key
+        self.key_source = key_source
+        self.retry = retry or DEFAULT_RETRY
+
+    def secret(self) -> str:
+        """The key itself, for the node's self-teardown env (secrets.env); never print it."""
+        return self._key
+
+    def request(self, method: str, path: str, body: Any = None) -> Any:
+        policy = self.retry
+        retrying = Retrying(stop=stop_after_attempt(policy.attempts), wait=self._wait,
+                            retry=retry_if_exception_type(_Transient), reraise=True)
+        try:
+            for attempt in retrying:
+                with attempt:
+                    return self._once(method, path, body)
+        except _Transient as exc:
+            raise ProviderError(
+                f"{self.vendor} API kept failing on {method} {path or '/'}: {redact(exc.detail, self._key)} "
+                f"({policy.attempts} tries)", f"wait a few minutes and retry; the {self.vendor} API is "
+                "rate-limiting or down") from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _wait(self, state: RetryCallState) -> float:
+        backoff = wait_exponential_jitter(initial=self.retry.first_wait_s, max=self.retry.max_wait_s)(state)
+        exc = state.outcome.exception() if state.outcome else None
+        hinted = getattr(exc, "retry_after", None)
+        return min(self.retry.max_wait_s, max(backoff, hinted or 0.0))
+
+    def _once(self, method: str, path: str, body: Any) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base_url + path, data=data, method=method, headers={
+            "Authorization": f"Bearer {self._key}", "Accept": "application/json",
+            "Content-Type": "application/json", "User-Agent": USER_AGENT})
+        try:
+            with urllib.request.urlopen(req, timeout=self.retry.timeout_s) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as err:
+            self._raise_for(err, method, path)
+        except (urllib.error.URLError, OSError) as err:  # refused, reset, DNS, timeout
+            reason = getattr(err, "reason", err)
+            raise _Transient(f"cannot reach {self.base_url} ({reason})") from None
+        try:
+            return json.loads(raw) if raw.strip() else None
+        except json.JSONDecodeError:
+            raise ProviderError(f"{self.vendor} API answered {method} {path} with non-JSON",
+                                "check provider.api_url") from None
+
+    def _raise_for(self, err: urllib.error.HTTPError, method: str, path: str) -> None:
+        code = err.code
+        detail = redact(_error_text(err), self._key)
+        if code in (401, 403):
+            raise AuthError(f"{self.vendor} rejected the API key from {self.key_source} (HTTP {code})",
+                            f"check the key in {self.key_source} (a valid key with read/write access)")
+        if code == 429 or code >= 500:
+            raise _Transient(f"HTTP {code}{': ' + detail if detail else ''}", _retry_after(err))
+        if code == 404:
+            raise ApiNotFound(f"{self.vendor}: {method} {path}: not found{': ' + detail if detail else ''}")
+        raise ProviderError(f"{self.vendor} API refused {method} {path or '/'} (HTTP {code}){': ' + detail if detail else ''}")
+
+
+def _error_text(err: urllib.error.HTTPError) -> str:
+    try:
+        raw = err.read()[:2000].decode(errors="replace")
+    except OSError:
+        return ""
+    try:
+        doc = json.loads(raw)
+    except json.JSONDecodeError:
+        return " ".join(raw.split())[:200]
+    if isinstance(doc, dict):
+        parts = [str(doc[k]) for k in ("msg", "error", "detail", "message") if doc.get(k)]
+        return "; ".join(parts)[:300]
+    return ""
+
+
+def _retry_after(err: urllib.error.HTTPError) -> float | None:
+    value = err.headers.get("Retry-After") if err.headers else None
+    try:
+        return float(value) if value else None
+    except ValueError:
+        return None

@@ -1,0 +1,168 @@
+"""Provider `runpod`: RunPod through its GraphQL API (https://api.runpod.io/graphql).
+
+- offers: gpuTypes(input: {id}) { lowestPrice(input: {gpuCount, minMemoryInGb, secureCloud}) }
+  per cloud type; prices are per GPU (uninterruptablePrice on demand, minimumBidPrice spot).
+- create: podFindAndDeployOnDemand(input: {gpuTypeId, gpuCount, imageName, containerDiskInGb,
+  volumeInGb, ports: "22/tcp", supportPublicIp, startSsh, env: [{key, value}], cloudType,
+  minMemoryInGb}) -> id; podRentInterruptable(input: {..., bidPerGpu}) for spot. The pod IS
+  the container; RunPod's images install env PUBLIC_KEY into authorized_keys (the cluster key).
+- ready: pod(input: {podId}) { runtime { ports { ip isIpPublic privatePort publicPort type } } }
+  has the public TCP port for 22 (RUNNING is reported while the image still pulls: then an
+  SSH banner, cloud.py).
+- terminate: podTerminate(input: {podId}); list: myself { pods { ... } }.
+Auth: `Authorization: Bearer KEY` (not the `?api_key=` query string, which would put the key in
+URLs); key from $RUNPOD_API_KEY or ~/.runpod/config.toml (apikey / api_key).
+All queries send their values as GraphQL variables, never pasted into the query text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from provision.config import RunPodProvider
+from provision.errors import NoOfferError, ProviderError
+from provision.providers.base import SelfTeardown
+from provision.providers.cloud import CloudBackend, Instance, Offer, http_teardown, node_last
+from provision.providers.http import JsonApi, load_key
+from provision.state import ClusterRecord
+
+API_URL = "https://api.runpod.io/graphql"
+KEY_ENV = "RUNPOD_API_KEY"
+KEY_FILES = [Path("~/.runpod/config.toml")]
+FAILED = ("EXITED", "TERMINATED")
+NO_CAPACITY = re.compile(r"no longer any instances available|not enough|no available|out of stock", re.I)
+
+OFFERS = """query GpuOffers($gpu: GpuTypeFilter, $secure: GpuLowestPriceInput, $community: GpuLowestPriceInput) {
+  gpuTypes(input: $gpu) {
+    id displayName memoryInGb
+    secure: lowestPrice(input: $secure) { minimumBidPrice uninterruptablePrice stockStatus }
+    community: lowestPrice(input: $community) { minimumBidPrice uninterruptablePrice stockStatus }
+  }
+}"""
+DEPLOY = """mutation Deploy($input: PodFindAndDeployOnDemandInput!) {
+  podFindAndDeployOnDemand(input: $input) { id costPerHr desiredStatus }
+}"""
+DEPLOY_SPOT = """mutation DeploySpot($input: PodRentInterruptableInput!) {
+  podRentInterruptable(input: $input) { id costPerHr desiredStatus }
+}"""
+POD_FIELDS = "id name desiredStatus costPerHr runtime { uptimeInSeconds ports { ip isIpPublic privatePort publicPort type } }"
+POD = f"query Pod($input: PodFilter!) {{ pod(input: $input) {{ {POD_FIELDS} }} }}"
+PODS = f"query Pods {{ myself {{ pods {{ {POD_FIELDS} }} }} }}"
+TERMINATE = "mutation Terminate($input: PodTerminateInput!) { podTerminate(input: $input) }"
+
+
+def _parse_config(text: str) -> str:
+    match = re.search(r'^\s*api_?key\s*=\s*["\']([^"\']+)["\']', text, re.M | re.I)
+    return match[1].strip() if match else ""
+
+
+def api(api_url: str | None) -> JsonApi:
+    key, source = load_key("RunPod", KEY_ENV, KEY_FILES, _parse_config)
+    return JsonApi("RunPod", api_url or API_URL, key, source)
+
+
+def gql(client: JsonApi, query: str, variables: dict | None = None) -> dict:
+    answer = client.request("POST", "", {"query": query, "variables": variables or {}}) or {}
+    errors = answer.get("errors") if isinstance(answer, dict) else None
+    if errors:
+        text = "; ".join(str(e.get("message", e)) if isinstance(e, dict) else str(e) for e in errors)[:300]
+        if NO_CAPACITY.search(text):
+            raise NoOfferError(f"RunPod has no capacity right now: {text}",
+                               "retry later, or change provider.gpu / cloud_type / min_ram_gb")
+        raise ProviderError(f"RunPod API error: {text}")
+    return answer.get("data") or {}
+
+
+def _instance(raw: dict) -> Instance:
+    status = raw.get("desiredStatus") or "PROVISIONING"
+    ports = ((raw.get("runtime") or {}).get("ports")) or []
+    ssh = next((p for p in ports if p.get("privatePort") == 22 and p.get("isIpPublic")
+                and p.get("type") == "tcp" and p.get("ip")), None)
+    booting = "RUNNING (image pulling)" if status == "RUNNING" and ssh is None else status
+    return Instance(id=str(raw["id"]), state=booting, ready=status == "RUNNING" and ssh is not None,
+                    failed=status in FAILED, address=ssh["ip"] if ssh else None,
+                    port=int(ssh["publicPort"]) if ssh else 22, user="root", label=raw.get("name") or "")
+
+
+class RunPodBackend(CloudBackend):
+    kind = "runpod"
+
+    def filters_text(self, prov: RunPodProvider) -> str:
+        parts = [f"gpuTypeId={prov.gpu}", f"gpuCount={prov.gpus_per_node}", f"minMemoryInGb={prov.min_ram_gb:g}",
+                 f"cloudType={prov.cloud_type}", "spot" if prov.interruptible else "on-demand",
+                 f"price<=${prov.max_price}/h per node" if prov.max_price else ""]
+        return "(" + ", ".join(p for p in parts if p) + ")"
+
+    def find_offers(self, prov: RunPodProvider) -> list[Offer]:
+        base = {"gpuCount": prov.gpus_per_node, "minMemoryInGb": int(prov.min_ram_gb)}
+        data = gql(api(prov.api_url), OFFERS, {"gpu": {"id": prov.gpu}, "secure": {**base, "secureCloud": True},
+                                                "community": {**base, "secureCloud": False}})
+        offers = []
+        for gpu in data.get("gpuTypes") or []:
+            for cloud, alias in (("SECURE", "secure"), ("COMMUNITY", "community")):
+                price = gpu.get(alias) or {}
+                per_gpu = price.get("minimumBidPrice") if prov.interruptible else price.get("uninterruptablePrice")
+                if prov.interruptible and prov.bid_per_gpu:
+                    per_gpu = max(prov.bid_per_gpu, per_gpu or 0) if per_gpu else None
+                if prov.cloud_type not in ("ALL", cloud) or not per_gpu:
+                    continue
+                total = per_gpu * prov.gpus_per_node
+                if prov.max_price and total > prov.max_price:
+                    continue
+                offers.append(Offer(id=cloud, gpu_name=gpu.get("displayName") or gpu["id"],
+                                    num_gpus=prov.gpus_per_node, price_per_hour=round(total, 4),
+                                    ram_gb=prov.min_ram_gb or None, where=f"{cloud} cloud, stock "
+                                    f"{price.get('stockStatus') or '?'}", spot=prov.interruptible))
+        return sorted(offers, key=lambda o: o.price_per_hour)
+
+    def launch(self, prov: RunPodProvider, cluster: ClusterRecord, index: int, offer: Offer,
+               public_key: str) -> str:
+        pod = {"name": f"gpuctl-{cluster.name}-{index}", "imageName": prov.image, "gpuTypeId": prov.gpu,
+               "gpuCount": prov.gpus_per_node, "cloudType": offer.id, "containerDiskInGb": int(prov.disk_gb),
+               "volumeInGb": 0, "minMemoryInGb": int(prov.min_ram_gb), "ports": "22/tcp",
+               "supportPublicIp": True, "startSsh": True,
+               "env": [{"key": "PUBLIC_KEY", "value": public_key}, {"key": "GPUCTL_CLUSTER", "value": cluster.name}]}
+        if prov.interruptible:
+            pod["bidPerGpu"] = round(offer.price_per_hour / prov.gpus_per_node, 4)
+            data = gql(api(cluster.api_url), DEPLOY_SPOT, {"input": pod}).get("podRentInterruptable")
+        else:
+            data = gql(api(cluster.api_url), DEPLOY, {"input": pod}).get("podFindAndDeployOnDemand")
+        if not data or not data.get("id"):
+            raise NoOfferError("RunPod did not deploy a pod (no id returned)",
+                               "retry later, or change provider.gpu / cloud_type")
+        return str(data["id"])
+
+    def describe(self, cluster: ClusterRecord, instance_id: str) -> Instance | None:
+        try:
+            raw = gql(api(cluster.api_url), POD, {"input": {"podId": instance_id}}).get("pod")
+        except ProviderError as exc:
+            if "not found" in exc.message.lower():
+                return None
+            raise
+        return _instance(raw) if raw else None
+
+    def terminate(self, cluster: ClusterRecord, instance_id: str) -> None:
+        try:
+            gql(api(cluster.api_url), TERMINATE, {"input": {"podId": instance_id}})
+        except ProviderError:
+            if self.describe(cluster, instance_id) is not None:
+                raise  # it still exists: the error was real
+
+    def list_instances(self, cluster: ClusterRecord) -> list[Instance]:
+        pods = (gql(api(cluster.api_url), PODS).get("myself") or {}).get("pods") or []
+        return [_instance(p) for p in pods]
+
+    def self_teardown(self, cluster: ClusterRecord) -> SelfTeardown | None:
+        """The node sends podTerminate for the cluster's pods, its own last."""
+        ids = node_last(cluster)
+        if not ids:
+            return None
+        client = api(cluster.api_url)
+        calls = [(client.base_url, json.dumps({"query": TERMINATE, "variables": {"input": {"podId": i}}}))
+                 for i in ids]
+        return http_teardown(cluster.python, "POST", calls, client.secret())
+
+
+BACKEND = RunPodBackend()

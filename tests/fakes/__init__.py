@@ -1,0 +1,1 @@
+"""Local stand-ins for the cloud vendors' APIs (tests only)."""

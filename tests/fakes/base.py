@@ -1,0 +1,131 @@
+"""What the fake vendor APIs share: a JSON HTTP server on 127.0.0.1 in a thread, bearer auth,
+a request log, injected failures, and the loopback sshd that stands in for an instance.
+
+An "instance" is the test sshd: the fake answers with its address and port, and installs the
+instance's SSH key in the sshd's authorized_keys while the instance exists (removing it again
+when the instance is deleted), so a deleted instance really stops letting gpuctl in.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+
+@dataclass
+class SshTarget:
+    """Where the fake's instances answer SSH (the test sshd)."""
+
+    address: str
+    port: int
+    authorized_keys: Path
+    user: str = "root"
+
+    def add_key(self, line: str) -> None:
+        lines = self.authorized_keys.read_text().splitlines() if self.authorized_keys.exists() else []
+        if line.strip() not in lines:
+            self.authorized_keys.write_text("\n".join([*lines, line.strip()]) + "\n")
+
+    def remove_key(self, line: str) -> None:
+        lines = self.authorized_keys.read_text().splitlines()
+        self.authorized_keys.write_text("".join(f"{x}\n" for x in lines if x.strip() != line.strip()))
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, body: dict):
+        super().__init__(status)
+        self.status, self.body = status, body
+
+
+@dataclass
+class FakeApi:
+    """Subclasses implement handle(method, path, body, query) -> (status, json body)."""
+
+    key: str = "fake-key-0123456789abcdef"
+    ssh: SshTarget | None = None
+    requests: list[tuple[str, str]] = field(default_factory=list)
+    fail_next: list[int] = field(default_factory=list)  # answer the next requests with these statuses
+    raw_paths: list[str] = field(default_factory=list)  # as sent, query string included
+
+    def __post_init__(self):
+        self.lock = threading.RLock()
+        self.server: ThreadingHTTPServer | None = None
+
+    # lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> "FakeApi":
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _serve(self):
+                fake._dispatch(self)
+
+            do_GET = do_POST = do_PUT = do_DELETE = _serve
+
+            def log_message(self, *args):  # quiet
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        if self.server:
+            self.server.shutdown()
+            self.server.server_close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    @property
+    def origin(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    # requests ----------------------------------------------------------------------------------
+    def _dispatch(self, req: BaseHTTPRequestHandler) -> None:
+        split = urlsplit(req.path)
+        query = {k: v[0] for k, v in parse_qs(split.query).items()}
+        length = int(req.headers.get("Content-Length") or 0)
+        raw = req.rfile.read(length) if length else b""
+        with self.lock:
+            self.requests.append((req.command, split.path))
+            self.raw_paths.append(req.path)
+            if self.fail_next:
+                status = self.fail_next.pop(0)
+                return self._reply(req, status, {"error": "injected", "msg": f"injected HTTP {status}"},
+                                   {"Retry-After": "0"})
+            token = (req.headers.get("Authorization") or "").removeprefix("Bearer ").strip()
+            if token != self.key and query.get("api_key") != self.key:
+                return self._reply(req, 401, self.unauthorized())
+            try:
+                body = json.loads(raw) if raw.strip() else None
+            except json.JSONDecodeError:
+                return self._reply(req, 400, {"error": "bad_json", "msg": "request body is not JSON"})
+            try:
+                status, answer = self.handle(req.command, split.path, body, query)
+            except ApiError as err:
+                status, answer = err.status, err.body
+        self._reply(req, status, answer)
+
+    def _reply(self, req: BaseHTTPRequestHandler, status: int, body: dict, headers: dict | None = None) -> None:
+        data = json.dumps(body).encode()
+        req.send_response(status)
+        req.send_header("Content-Type", "application/json")
+        req.send_header("Content-Length", str(len(data)))
+        for k, v in (headers or {}).items():
+            req.send_header(k, v)
+        req.end_headers()
+        req.wfile.write(data)
+
+    def unauthorized(self) -> dict:
+        return {"success": False, "error": "auth_error", "msg": "Invalid user key"}
+
+    def handle(self, method: str, path: str, body, query: dict) -> tuple[int, dict]:
+        raise NotImplementedError

@@ -1,0 +1,187 @@
+"""Runtime docker without an engine: the `docker run` argv, env by name, runtime choice, login."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from provision import image, job, runtime
+from provision.config import GpuctlConfig
+from provision.errors import ConfigError
+from provision.remote import CommandResult, Node
+from provision.state import ClusterRecord, NodeRecord
+
+SECRET = "s3cr3t/Value+with$(chars)"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def cluster(accelerator: str = "cuda", nodes: int = 1, gpu: str | None = "NVIDIA GeForce RTX 4090") -> ClusterRecord:
+    recs = [NodeRecord(host=f"10.0.0.{i + 1}", address=f"10.0.0.{i + 1}", slots=3, accelerator=accelerator,
+                       gpu_name=gpu, workdir="/data/gpuctl") for i in range(nodes)]
+    return ClusterRecord(name="c", provider="ssh", nodes=recs, runtime="docker", image="reg.example/trainer:1")
+
+
+def spec_for(cfg: GpuctlConfig, rec: ClusterRecord, secrets: dict[str, str] | None = None):
+    from provision.providers.base import SelfTeardown
+
+    class Backend:  # what a cloud provider hands back for self-teardown: a secret in env
+        def self_teardown(self, _cluster):
+            return SelfTeardown(["teardown-node"], dict(secrets or {}))
+
+    original = job.backend
+    job.backend = lambda kind: Backend()
+    try:
+        return job.bundle_spec(cfg.model_copy(update={"teardown": "after-train"}), rec, "r1")
+    finally:
+        job.backend = original
+
+
+def test_docker_run_argv_has_gpus_ipc_mounts_and_env_names():
+    cfg = GpuctlConfig.model_validate({"env": {"NCCL_DEBUG": "INFO"}, "docker": {"shm_size": "32g",
+                                       "mounts": ["/datasets:/datasets:ro"]}})
+    spec = spec_for(cfg, cluster(), {"VAST_API_KEY": SECRET})
+    argv = spec.launcher_prefix
+    assert argv[:3] == ["docker", "run", "--rm"]
+    assert argv[argv.index("--gpus") + 1] == "all"
+    assert "--ipc=host" in argv and argv[argv.index("--network") + 1] == "host"
+    assert argv[argv.index("--shm-size") + 1] == "32g"
+    mounts = [argv[i + 1] for i, a in enumerate(argv) if a == "-v"]
+    assert "/data/gpuctl/runs/r1:/data/gpuctl/runs/r1" in mounts
+    assert "/data/gpuctl/cache:/data/gpuctl/cache" in mounts and "/datasets:/datasets:ro" in mounts
+    assert argv[argv.index("-w") + 1] == "/data/gpuctl/runs/r1"
+    env = [argv[i + 1] for i, a in enumerate(argv) if a == "-e"]
+    # secrets and the ranks' env go by NAME: docker copies the value from launch.sh's environment
+    for name in ("VAST_API_KEY", "NCCL_DEBUG", "NCCL_P2P_DISABLE", "AWS_SECRET_ACCESS_KEY"):
+        assert name in env, name
+    assert "PYTHONPATH=/data/gpuctl/runs/r1/lib:/opt/gpuctl" in env
+    assert argv[argv.index("reg.example/trainer:1") - 1] != "-e"  # the image ends the docker part
+    assert argv[-1] == "reg.example/trainer:1" and spec.python == "python3"
+
+
+def test_cpu_node_gets_no_gpus_flag():
+    spec = spec_for(GpuctlConfig(), cluster(accelerator="cpu", gpu=None))
+    assert "--gpus" not in spec.launcher_prefix
+    assert "DS_ACCELERATOR" in spec.launcher_prefix
+
+
+def test_secret_is_not_on_the_command_line_or_in_launch_sh(tmp_path):
+    from provision.render import render_bundle
+
+    cfg = GpuctlConfig.model_validate({"provider": {"kind": "ssh", "hosts": ["root@10.0.0.1"]}})
+    spec = spec_for(cfg, cluster(), {"VAST_API_KEY": SECRET})
+    out = render_bundle(cfg, spec, tmp_path / "bundle")
+    launch = (out / "launch.sh").read_text()
+    assert SECRET not in launch and SECRET not in " ".join(spec.launcher_prefix)
+    assert "-e VAST_API_KEY " in launch and "docker run --rm" in launch
+    assert SECRET in (out / "secrets.env").read_text()  # 0600, sourced by launch.sh, then removed
+    subprocess.run(["bash", "-n", str(out / "launch.sh")], check=True)
+    # the launcher runs in the container: the docker argv comes right before python -m deepspeed
+    line = next(l for l in launch.splitlines() if "deepspeed.launcher.runner" in l)
+    words = shlex.split(line.replace('"$MASTER_PORT"', "PORT"))
+    assert words[:2] == ["docker", "run"]
+    assert words[words.index("reg.example/trainer:1") + 1:][:4] == ["python3", "-u", "-m", "deepspeed.launcher.runner"]
+
+
+def test_runtime_none_has_no_prefix():
+    rec = cluster()
+    rec.runtime = "none"
+    assert spec_for(GpuctlConfig(), rec).launcher_prefix == []
+
+
+def test_multinode_docker_is_a_clear_error():
+    with pytest.raises(ConfigError, match="one node"):
+        spec_for(GpuctlConfig(), cluster(nodes=2))
+
+
+@pytest.mark.parametrize("requested,kind,docker,image_name,expected", [
+    ("auto", "vast", False, "x", "image"), ("auto", "runpod", False, "x", "image"),
+    ("auto", "aws", False, "x", "docker"), ("auto", "ssh", True, "img:1", "docker"),
+    ("auto", "ssh", True, None, "none"), ("auto", "ssh", False, "img:1", "none"),
+    ("auto", "local", True, "img:1", "none"), ("none", "aws", True, "x", "none"),
+    ("docker", "ssh", False, None, "docker"), ("image", "vast", False, "x", "image"),
+])
+def test_runtime_resolution(requested, kind, docker, image_name, expected):
+    assert runtime.resolve(requested, kind, image=image_name, has_docker=lambda: docker) == expected
+
+
+def test_runtime_image_needs_an_image_provider():
+    with pytest.raises(ConfigError, match="vast, runpod"):
+        runtime.resolve("image", "ssh")
+
+
+def test_cloud_provider_runtime_is_configurable():
+    cfg = GpuctlConfig.model_validate({"provider": {"kind": "aws", "runtime": "none"}})
+    assert cfg.provider.runtime == "none"
+    with pytest.raises(Exception):
+        GpuctlConfig.model_validate({"docker": {"shm_size": "lots"}})
+
+
+class Recorder(Node):
+    label = "rec"
+
+    def __init__(self, rc: int = 0):
+        self.calls: list[tuple[list[str], bytes | None]] = []
+        self.rc = rc
+
+    def run(self, argv, *, check=True, timeout=None, stream=None, stdin=None):
+        self.calls.append((argv, stdin))
+        return CommandResult(self.rc, "", "")
+
+
+def test_registry_login_sends_the_password_on_stdin_only(monkeypatch):
+    monkeypatch.setenv(image.USER_ENV, "robot")
+    monkeypatch.setenv(image.PASSWORD_ENV, SECRET)
+    node = Recorder()
+    result = image.ship(node, "ghcr.io/acme/trainer:2", "pull", say=lambda _: None)
+    assert result.action == "pulled"
+    argvs = [argv for argv, _ in node.calls]
+    login = next((argv, stdin) for argv, stdin in node.calls if argv[:2] == ["docker", "login"])
+    assert login[0] == ["docker", "login", "--username", "robot", "--password-stdin", "ghcr.io"]
+    assert login[1] == SECRET.encode()
+    assert all(SECRET not in " ".join(argv) for argv in argvs)
+    assert ["docker", "pull", "--quiet", "ghcr.io/acme/trainer:2"] in argvs
+    assert ["docker", "logout", "ghcr.io"] in argvs  # no credentials left on a rented node
+
+
+def test_pull_without_credentials_does_not_log_in(monkeypatch):
+    monkeypatch.delenv(image.USER_ENV, raising=False)
+    monkeypatch.delenv(image.PASSWORD_ENV, raising=False)
+    node = Recorder()
+    image.ship(node, "trainer:2", "pull", say=lambda _: None)
+    assert [argv[1] for argv, _ in node.calls] == ["pull", "image"]
+
+
+@pytest.mark.parametrize("ref,registry", [("ghcr.io/a/b:1", "ghcr.io"), ("localhost:5000/x", "localhost:5000"),
+                                          ("library/ubuntu:22.04", None), ("ubuntu", None),
+                                          ("127.0.0.1:9/x:1", "127.0.0.1:9")])
+def test_registry_of(ref, registry):
+    assert image.registry_of(ref) == registry
+
+
+def test_build_context_is_the_allow_list():
+    files = image.context_files(REPO, "Dockerfile")
+    assert {"Dockerfile", ".dockerignore", "images/entrypoint.sh", "images/requirements-torch.txt",
+            "trainer/__init__.py"} <= set(files)
+    assert not [f for f in files if f.startswith((".venv/", "provision/", "tests/", ".git/"))]
+    assert not [f for f in files if "__pycache__" in f or f.endswith(".pyc")]
+
+
+def test_dockerignore_semantics(tmp_path):
+    ctx = tmp_path / "ctx"
+    for rel in ("Dockerfile", "a/keep.txt", "a/drop.log", "b/x/y.log", "c/z.txt", "top.log"):
+        (ctx / rel).parent.mkdir(parents=True, exist_ok=True)
+        (ctx / rel).write_text(rel)
+    (ctx / ".dockerignore").write_text("*.log\n**/*.log\nc\n!a/drop.log\n")
+    assert image.context_files(ctx, "Dockerfile") == [".dockerignore", "Dockerfile", "a/drop.log", "a/keep.txt"]
+
+    def digest() -> str:
+        with open(tmp_path / "ctx.tar", "wb") as out:
+            return image.context_tar(ctx, "Dockerfile", out)
+
+    first = digest()
+    assert first == digest()  # contents and modes, not mtimes
+    (ctx / "a" / "keep.txt").write_text("changed")
+    assert first != digest()
