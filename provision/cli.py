@@ -119,6 +119,7 @@ def _follow_to_end(run, detach_hint: bool = True) -> int:
         say(f"\ndetached; run {run.run_id} goes on. `gpuctl logs -f` reattaches, `gpuctl cancel` stops it")
         return 130
     say(f"run {run.run_id} {status.state}")
+    job.fetch_results(run)  # `gpuctl report` works after `down`
     return job.exit_code_of(status)
 
 
@@ -336,6 +337,11 @@ def image_ship(config: ConfigOpt = None, cluster: Annotated[Optional[str], typer
         return
     for result in image.ship_cluster(cfg, record, say, how=how):
         say(f"{result.node}: {result.action} {(result.image_id or '')[:19]}")
+
+
+from provision import cli_more  # noqa: E402  (registers plan, report, ckpt on app)
+
+cli_more.register(app, handled)
 
 
 def main() -> None:

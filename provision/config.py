@@ -180,6 +180,8 @@ class DockerConfig(Strict):
         "auto", description="pull: from the registry; load: docker save | ssh | docker load of the "
         "laptop's copy; build: build on the node; auto: load when the laptop has the image, else pull")
     shm_size: str = Field("16g", pattern=r"^[0-9]+[bkmgBKMG]?$", description="docker run --shm-size")
+    ulimits: list[str] = Field(["memlock=-1", "stack=67108864"],
+                               description="docker run --ulimit values (NVIDIA's recommendation for training)")
     mounts: list[str] = Field(default_factory=list, description="extra docker run -v SRC:DST[:ro]")
     run_args: list[str] = Field(default_factory=list, description="extra docker run arguments")
     context: str | None = Field(None, description="build context (default: gpuctl's own source tree)")

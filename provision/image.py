@@ -346,6 +346,7 @@ def context_tar(context: Path, dockerfile: str, out) -> str:
             path = context / rel
             info = tar.gettarinfo(str(path), arcname=rel)
             info.uid = info.gid = 0
+            info.mtime = int(info.mtime)  # a float mtime makes a PAX header that docker's tar sniffing rejects
             info.uname = info.gname = ""
             digest.update(f"{rel}\0{info.mode & 0o111:o}\0{info.size}\0".encode())
             if info.isfile():

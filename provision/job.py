@@ -89,13 +89,14 @@ def start_run(cfg: GpuctlConfig, cluster: state.ClusterRecord, *, resume: str | 
             node.put_dir(bundle, run_dir_of(rec.workdir, run_id))
         pgid = nodes[0].start_detached(spec.run_dir, "launch.sh", "job.log")
     finally:
+        (bundle / "secrets.env").unlink(missing_ok=True)  # shipped; no credential stays in the state dir
         for node in nodes:
             node.close()
     record = state.RunRecord(run_id=run_id, cluster=cluster.name, run_dir=spec.run_dir,
                              bundle_dir=str(bundle), world_size=cluster.world_size,
                              train_batch_size=batch, micro_batch=cfg.train.micro_batch,
                              grad_accum=cfg.train.grad_accum, max_steps=cfg.train.max_steps,
-                             state="running", pgid=pgid)
+                             accelerator=cluster.nodes[0].accelerator, state="running", pgid=pgid)
     state.save_run(record)
     say(f"run {run_id} started on {cluster.name}: {cluster.world_size} ranks, batch {batch}")
     return record
@@ -139,7 +140,12 @@ def read_status(run: state.RunRecord, node: Node) -> RunStatus:
     tail = node.sh('[ -f "$1" ] && tail -n 1 -- "$1"', f"{run.run_dir}/metrics.jsonl", check=False).stdout
     run_state = status.get("state", run.state)
     if run_state == "running" and run.pgid and not node.group_alive(run.pgid):
-        run_state = "lost"  # killed without writing its end (kill -9, node reboot)
+        # It may have ended (and written status.json) since the reads above: read them again.
+        status = _json_or_empty(node.read_text(f"{run.run_dir}/status.json")) or status
+        summary = _json_or_empty(node.read_text(f"{run.run_dir}/summary.json")) or summary
+        run_state = status.get("state", "running")
+        if run_state == "running":
+            run_state = "lost"  # killed without writing its end (kill -9, node reboot)
     result = RunStatus(run, run_state, status.get("exit_code"), status, summary, _json_or_empty(tail))
     if run_state != run.state or result.exit_code != run.exit_code:
         state.update_run(run.run_id, state=run_state, exit_code=result.exit_code)
@@ -164,9 +170,9 @@ def follow(run: state.RunRecord, out: Callable[[str], None], *, until_end: bool 
     while True:
         try:
             node = node or node_of(run)
+            status = read_status(run, node)  # first: once it is terminal, the log read next is complete
             chunk = node.sh('[ -f "$1" ] && tail -c +"$2" -- "$1"', f"{run.run_dir}/job.log",
                             str(offset + 1), check=False, timeout=60).stdout
-            status = read_status(run, node)
             last_ok = time.monotonic()
         except RemoteError as exc:
             if node is not None:
@@ -209,5 +215,24 @@ def cancel(run: state.RunRecord, *, grace_s: float = 20) -> bool:
     return gone
 
 
-def local_run_dir(run: state.RunRecord) -> Path:
-    return Path(run.bundle_dir)
+RESULT_FILES = ("metrics.jsonl", "summary.json", "status.json")
+
+
+def fetch_results(run: state.RunRecord) -> Path:
+    """Copy the run's metrics/summary/status from the node into the state dir; return that dir.
+
+    Once the cluster is gone the last fetched copy is what remains (a local run's dir stays).
+    """
+    results = state.state_dir() / "results" / run.run_id  # named by run id: reports label runs by it
+    if state.find_cluster(run.cluster) is None:
+        return results if (results / "metrics.jsonl").is_file() else Path(run.run_dir)
+    node = node_of(run)
+    try:
+        results.mkdir(parents=True, exist_ok=True)
+        for name in RESULT_FILES:
+            text = node.read_text(f"{run.run_dir}/{name}")
+            if text is not None:
+                state.write_atomic(results / name, text)
+    finally:
+        node.close()
+    return results

@@ -432,14 +432,15 @@ def plan_to_json(result: PlanResult) -> dict:
 def render_plan_table(result: PlanResult):
     """A rich renderable: the per-rank breakdown, the verdict and the why lines."""
     from rich.console import Group
-    from rich.table import Table
+    from rich.table import Column, Table
     from rich.text import Text
 
     mem, inp, ok = result.memory, result.input, result.fits
     where = f"{inp.gpus_per_node}x {result.gpu.name}" + (f" x {inp.nodes} nodes" if inp.nodes > 1 else "")
-    table = Table("per rank", "GB", title=f"{result.model.name} on {where}, ZeRO-{inp.zero_stage}, offload "
-                  f"{inp.offload_optimizer}, {inp.precision}, micro {inp.micro_batch} x seq {inp.seq_len}"
-                  f"{', checkpointing' if inp.gradient_checkpointing else ''}")
+    title = (f"{result.model.name} on {where}, ZeRO-{inp.zero_stage}, offload {inp.offload_optimizer}, "
+             f"{inp.precision}, micro {inp.micro_batch} x seq {inp.seq_len}"
+             f"{', checkpointing' if inp.gradient_checkpointing else ''}")
+    table = Table("per rank", Column("GB", justify="right"), title=title)
     for label, gb in (("weights", mem.weights_gb), ("gradients", mem.grads_gb), ("optimizer states", mem.optimizer_gb),
                       ("buffers", mem.buffers_gb), ("activations", mem.activations_gb),
                       ("fragmentation", mem.fragmentation_gb), ("CUDA context", mem.cuda_context_gb)):

@@ -69,6 +69,7 @@ class DockerRun:
     name: str
     gpus: bool  # --gpus all; False on a node without GPUs (a CPU test node), where it would fail
     shm_size: str = "16g"
+    ulimits: list[str] = field(default_factory=lambda: ["memlock=-1", "stack=67108864"])
     cache_dir: str | None = None  # host folder mounted at the same path (HF hub, torch extensions)
     mounts: list[str] = field(default_factory=list)  # extra -v SRC:DST[:ro]
     env_names: list[str] = field(default_factory=list)  # values from launch.sh's environment
@@ -81,8 +82,9 @@ class DockerRun:
             argv += ["--gpus", "all"]
         # ipc=host: NCCL and the dataloader need shared memory beyond docker's 64 MB default;
         # network host: ranks, the rendezvous port and pdsh see the node's real interfaces.
-        argv += ["--ipc=host", "--network", "host", "--shm-size", self.shm_size,
-                 "--ulimit", "memlock=-1", "--ulimit", "stack=67108864"]
+        argv += ["--ipc=host", "--network", "host", "--shm-size", self.shm_size]
+        for limit in self.ulimits:
+            argv += ["--ulimit", limit]
         argv += ["-v", f"{self.run_dir}:{self.run_dir}"]
         if self.cache_dir:
             argv += ["-v", f"{self.cache_dir}:{self.cache_dir}"]
@@ -119,6 +121,6 @@ def docker_run_for(cfg, cluster, spec) -> DockerRun:
     names = set(rank_env(cfg, spec)) | set(spec.secrets) | set(PASS_THROUGH)
     return DockerRun(image=cluster.image or DEFAULT_IMAGE, run_dir=spec.run_dir,
                      name=container_name(spec.run_id), gpus=first.accelerator == "cuda",
-                     shm_size=docker.shm_size, cache_dir=cache, mounts=list(docker.mounts),
+                     shm_size=docker.shm_size, ulimits=list(docker.ulimits), cache_dir=cache, mounts=list(docker.mounts),
                      env_names=sorted(names - set(fixed)), env_values=fixed,
                      extra_args=list(docker.run_args))

@@ -415,6 +415,30 @@ class SSHNode(Node):
                              err.decode("utf-8", "replace"))
 
     # files --------------------------------------------------------------------------------
+    def _sftp(self) -> paramiko.SFTPClient:
+        """An SFTP session kept with the pooled connection (reads skip the login shell)."""
+        client = self.client()
+        sftp = getattr(client, "_gpuctl_sftp", None)
+        if sftp is None or sftp.sock.closed:
+            sftp = client.open_sftp()
+            client._gpuctl_sftp = sftp
+        return sftp
+
+    def read_text(self, path: str) -> str | None:
+        """A file's text, or None when it is missing or unreadable (over SFTP: no shell start)."""
+        try:
+            with self._sftp().open(path, "rb") as fh:
+                data = fh.read()
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            client = _POOL.get(self._key)
+            transport = client.get_transport() if client else None
+            if isinstance(exc, OSError) and transport is not None and transport.is_active():
+                return None  # missing, a folder, no permission: like `[ -f ] && cat` failing
+            self.drop_connection()
+            raise RemoteError(f"{self.label}: connection lost reading {path} ({exc or type(exc).__name__})",
+                              "check the node; gpuctl reconnects on the next command") from None
+        return data.decode("utf-8", "replace")
+
     def put_dir(self, local: Path, remote: str) -> None:
         """Copy a local folder to `remote` over SFTP (created 0700), minus ignored files."""
         local = Path(local)

@@ -70,6 +70,7 @@ class RunRecord(BaseModel):
     micro_batch: int
     grad_accum: int
     max_steps: int
+    accelerator: str = "cpu"  # cpu | cuda, of the first node
     state: str = "starting"
     exit_code: int | None = None
     pgid: int | None = None

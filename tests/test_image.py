@@ -100,7 +100,9 @@ def project(folder: Path, sshd: SSHD, **docker) -> Path:
         "train": {"max_steps": 3, "grad_accum": 1},
         "env": {"GPUCTL_TEST_PLAIN": "visible"},
         "teardown": "after-train",
-        "docker": {"ship": "load", "context": str(ctx), "shm_size": "1g", **docker},
+        # memlock=-1 is refused here (no CAP_SYS_RESOURCE to raise the hard limit)
+        "docker": {"ship": "load", "context": str(ctx), "shm_size": "1g", "ulimits": ["stack=67108864"],
+                   **docker},
     }
     path = folder / "gpuctl.yaml"
     path.write_text(json.dumps(cfg))  # JSON is YAML

@@ -66,9 +66,21 @@ def test_up_train_status_down(project, state_dir):
     shards = list((store / "step12").rglob("*.pt"))
     assert any("optim_states" in s.name for s in shards) and any("model_states" in s.name for s in shards)
 
+    report = gpuctl("report", "-o", "rep", cwd=project)
+    assert report.returncode == 0, report.stderr
+    assert "| 3 CPU ranks | 12 |" in report.stdout and run["run_id"] in report.stdout
+    from PIL import Image
+
+    with Image.open(project / "rep" / "report.png") as png:
+        assert png.size[0] > 600 and png.size[1] > 300
+
+    ls = json.loads(gpuctl("ckpt", "ls", "--json", cwd=project).stdout)
+    assert [c["tag"] for c in ls if c["complete"]] == ["step12", "step6"]
+
     down = gpuctl("down", cwd=project)
     assert down.returncode == 0, down.stderr
     assert json.loads(gpuctl("status", "--json", cwd=project).stdout)["cluster"] is None
+    assert gpuctl("report", run["run_id"], "-o", "rep2", cwd=project).returncode == 0  # after down too
     assert not list(state_dir.glob("clusters/*.json"))
 
 

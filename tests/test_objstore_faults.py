@@ -167,20 +167,27 @@ def test_server_down_mid_upload_then_back(proxied_server, tmp_path, mode):
 
 
 def test_uploader_gives_up_after_deadline_and_reports(s3_env, tmp_path):
+    """The deadline counts from submission: three tags queued behind an outage all fail
+    within ~retry_deadline, and close() (the trainer's final sync) raises."""
     port = free_port()  # nothing listens here
     store = CheckpointStore.from_config({"url": "s3://bkt/run", "endpoint_url": f"http://127.0.0.1:{port}",
-                                         **FAST_FAIL})
+                                         "retry_deadline": 3, **FAST_FAIL})
     lines = Lines()
-    up = BackgroundUploader(store, 0, 1, log=lines, retry_deadline=3, backoff_initial=0.3,
-                            backoff_max=1)
-    up.submit(make_ckpt(tmp_path / "step1", 0), "step1", 1, world_size=1)
+    up = BackgroundUploader(store, 0, 1, log=lines, backoff_initial=0.3, backoff_max=1)
+    assert up.retry_deadline == 3  # from the storage config
+    for step in (1, 2, 3):
+        up.submit(make_ckpt(tmp_path / f"step{step}", 0), f"step{step}", step, world_size=1)
     t0 = time.monotonic()
-    with pytest.raises(UploadError, match=f"cannot reach S3 endpoint http://127.0.0.1:{port}"):
+    with pytest.raises(UploadError, match=f"cannot reach S3 endpoint http://127.0.0.1:{port}") as info:
         up.wait(timeout=30)
-    assert time.monotonic() - t0 < 20
+    assert time.monotonic() - t0 < 15
+    assert all(f"upload of step{s} failed" in str(info.value) for s in (1, 2, 3))
     assert up.uploaded_tags() == set()
     assert lines.text().count("retrying") >= 2
-    up.close(timeout=5)
+    with pytest.raises(UploadError):
+        up.close(timeout=5)
+    with pytest.raises(UploadError, match="closed"):
+        up.submit(tmp_path / "step1", "step1", 1, world_size=1)
 
 
 def test_missing_bucket_fails_fast(s3_env, tmp_path):
@@ -193,7 +200,6 @@ def test_missing_bucket_fails_fast(s3_env, tmp_path):
         with pytest.raises(UploadError, match="bucket 'no-such-bucket' does not exist"):
             up.wait(timeout=30)
         assert time.monotonic() - t0 < 10  # permanent: no retrying for a minute
-        up.close(timeout=5)
 
 
 SECRET = "SECRET-MARKER-3f9a1c-never-print-me"
@@ -218,8 +224,7 @@ def test_access_denied_is_clear_and_secret_free(s3_env, tmp_path, caplog, capsys
         up = BackgroundUploader(store, 0, 1, log=lines, retry_deadline=60)
         up.submit(make_ckpt(tmp_path / "step1", 0), "step1", 1, world_size=1)
         with pytest.raises(UploadError) as up_info:
-            up.wait(timeout=30)
-        up.close(timeout=5)
+            up.close(timeout=30)
     out = capsys.readouterr()
     for text in (msg, _all_text(info.value), str(up_info.value), _all_text(up_info.value),
                  lines.text(), caplog.text, out.out, out.err):

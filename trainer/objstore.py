@@ -139,9 +139,10 @@ class CheckpointStore:
     """Checkpoints in one store root; see the module docstring for the layout."""
 
     def __init__(self, backend: FileBackend | S3Backend, keep: int | None = None,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, retry_deadline: float = 3600.0):
         self.backend = backend
         self.keep = keep if keep and keep > 0 else None
+        self.retry_deadline = retry_deadline  # BackgroundUploader's default
         self.log = log if log is not None else _log.warning
         self.url = backend.url
 
@@ -149,17 +150,20 @@ class CheckpointStore:
     def from_config(cls, storage: dict, log: Callable[[str], None] | None = None
                     ) -> "CheckpointStore":
         """storage = {"url": "file:///abs" | "s3://bucket/prefix", "endpoint_url", "region",
-        "profile", "keep": K}; optional S3 tuning keys, named as S3Options' fields:
+        "profile", "keep": K}; optional "retry_deadline" (s, how long BackgroundUploader
+        retries one checkpoint, default 3600) and S3 tuning keys named as S3Options' fields:
         multipart_threshold, multipart_chunksize (bytes), max_concurrency, max_attempts
         (per request, botocore standard retry mode), connect_timeout, read_timeout (s).
         Credentials come from boto3's chain (env, profile, instance role), never from here."""
         url = storage.get("url") or ""
         parsed = urlparse(url)
         keep = storage.get("keep")
+        deadline = float(storage.get("retry_deadline") or 3600.0)
         if parsed.scheme == "file" or (not parsed.scheme and url.startswith("/")):
             if parsed.netloc not in ("", "localhost"):
                 raise ValueError(f"file:// storage url must be file:///abs/path, got {url!r}")
-            return cls(FileBackend(Path(unquote(parsed.path))), keep=keep, log=log)
+            return cls(FileBackend(Path(unquote(parsed.path))), keep=keep, log=log,
+                       retry_deadline=deadline)
         if parsed.scheme == "s3":
             if not parsed.netloc:
                 raise ValueError(f"s3 storage url needs a bucket: s3://bucket/prefix, got {url!r}")
@@ -167,7 +171,7 @@ class CheckpointStore:
             backend = S3Backend(parsed.netloc, parsed.path, storage.get("endpoint_url"),
                                 storage.get("region"), storage.get("profile"),
                                 S3Options(**tuning))
-            return cls(backend, keep=keep, log=log)
+            return cls(backend, keep=keep, log=log, retry_deadline=deadline)
         raise ValueError(f"unsupported storage url {url!r}: use file:///abs/path or s3://bucket/prefix")
 
     # -- reading -----------------------------------------------------------------------

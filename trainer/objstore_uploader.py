@@ -3,8 +3,10 @@
 Each node runs one (its local rank 0). Jobs run in submission order; every node
 processes the same tags in the same order, so node 0's publish of a tag never waits
 on a node that skipped it. A job is retried with exponential backoff while its error
-is transient (store unreachable, 5xx, throttling), up to ``retry_deadline`` seconds
-in total; a permanent error (access denied, missing bucket) fails the job at once.
+is transient (store unreachable, 5xx, throttling), until ``retry_deadline`` seconds
+after the job was submitted (default: the store's ``retry_deadline``, storage key
+"retry_deadline", 3600 s); a permanent error (access denied, missing bucket) fails the
+job at once. Every job gets at least one attempt.
 Failures are remembered and raised by ``wait()``; later jobs still run.
 """
 
@@ -32,16 +34,19 @@ class _Job:
     tag: str
     step: int
     world_size: int
+    submitted: float  # time.monotonic() at submit: the retry deadline counts from here
 
 
 class BackgroundUploader:
     """A daemon thread that uploads (and on node 0 publishes) submitted checkpoints."""
 
     def __init__(self, store: "CheckpointStore", node_rank: int, num_nodes: int,
-                 log: Callable[[str], None] = print, *, retry_deadline: float = 3600.0,
+                 log: Callable[[str], None] = print, *, retry_deadline: float | None = None,
                  publish_timeout: float = 1800.0, backoff_initial: float = 1.0,
                  backoff_max: float = 60.0):
         self.store, self.node_rank, self.num_nodes, self.log = store, node_rank, num_nodes, log
+        if retry_deadline is None:
+            retry_deadline = getattr(store, "retry_deadline", 3600.0)
         self.retry_deadline, self.publish_timeout = retry_deadline, publish_timeout
         self.backoff_initial, self.backoff_max = backoff_initial, backoff_max
         self._queue: queue.Queue[_Job | None] = queue.Queue()
@@ -61,7 +66,7 @@ class BackgroundUploader:
             raise UploadError("BackgroundUploader is closed")
         with self._cond:
             self._pending.append(tag)
-        self._queue.put(_Job(Path(local_tag_dir), tag, step, world_size))
+        self._queue.put(_Job(Path(local_tag_dir), tag, step, world_size, time.monotonic()))
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every submitted checkpoint is done; raise UploadError on failures."""
@@ -86,15 +91,14 @@ class BackgroundUploader:
             return list(self._errors)
 
     def close(self, timeout: float | None = None) -> None:
-        """Stop the thread after the queue drains (at most ``timeout`` s). Does not raise:
-        call wait() for the final sync and its errors."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while self._pending and (deadline is None or time.monotonic() < deadline):
-                self._cond.wait(None if deadline is None else deadline - time.monotonic())
-        self._stop.set()
-        self._queue.put(None)
-        self._thread.join(timeout=5)
+        """Final sync, then stop the thread: wait(timeout), raising UploadError like it;
+        the thread is stopped either way."""
+        try:
+            self.wait(timeout)
+        finally:
+            self._stop.set()
+            self._queue.put(None)
+            self._thread.join(timeout=5)
 
     # -- worker --------------------------------------------------------------------------
     def _run(self) -> None:
@@ -121,7 +125,9 @@ class BackgroundUploader:
                 self._cond.notify_all()
 
     def _process(self, job: _Job) -> None:
-        deadline = time.monotonic() + self.retry_deadline
+        # Counted from submission, so tags queued behind a long outage do not each get a
+        # fresh deadline: the final sync ends within ~retry_deadline of the last submit.
+        deadline = job.submitted + self.retry_deadline
         delay = self.backoff_initial
         attempt = 1
         t0 = time.monotonic()

@@ -171,7 +171,8 @@ class CloudBackend:
         cap = budget_hours(prov, price)
         for i, offer in enumerate(picks):
             opts.say(f"{self.kind} node {i}: {describe_offer(offer)}")
-        cap_text = (f"budget cap {cap:.2f} h = ${cap * price:.2f} (the node tears itself down then)" if cap
+        span = (f"{cap:.2f} h" if cap >= 1 else f"{cap * 60:.1f} min") if cap else ""
+        cap_text = (f"budget cap {span} = ${cap * price:.2f} (the node tears itself down then)" if cap
                     else "no budget cap (set provider.max_hours or max_cost)")
         opts.say(f"total ${price:.3f}/h; {cap_text}")
         if opts.dry_run:

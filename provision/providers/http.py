@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential, wait_random
 
 from provision.errors import AuthError, ConfigError, ProviderError
 
@@ -100,7 +100,8 @@ class JsonApi:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _wait(self, state: RetryCallState) -> float:
-        backoff = wait_exponential_jitter(initial=self.retry.first_wait_s, max=self.retry.max_wait_s)(state)
+        first = self.retry.first_wait_s
+        backoff = (wait_exponential(multiplier=first, max=self.retry.max_wait_s) + wait_random(0, first))(state)
         exc = state.outcome.exception() if state.outcome else None
         hinted = getattr(exc, "retry_after", None)
         return min(self.retry.max_wait_s, max(backoff, hinted or 0.0))

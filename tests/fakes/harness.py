@@ -1,0 +1,70 @@
+"""Helpers for the cloud-provider tests: gpuctl as a subprocess, a project config for a fake
+cloud whose "instance" is the loopback test sshd, and a scan for leaked secrets."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+from tests.fakes.base import SshTarget
+
+REPO = Path(__file__).resolve().parents[2]
+GPUCTL = [sys.executable, "-m", "provision.cli"]
+
+
+def gpuctl(*args: str, cwd: Path, env: dict | None = None, timeout: float = 600,
+           input: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*GPUCTL, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})}, input=input)
+
+
+def ssh_target(sshd) -> SshTarget:
+    return SshTarget(address="127.0.0.1", port=sshd.port, authorized_keys=sshd.authorized_keys, user=sshd.user)
+
+
+def node_fields(tmp: Path, ranks: int = 3) -> dict:
+    """Provider fields that make the loopback sshd a usable node: this venv's python, a scratch
+    workdir, and CPU ranks (the stand-in has no GPU: its nvidia-smi is absent)."""
+    return {"python": sys.executable, "workdir": str(tmp / "node"), "cpu_ranks_fallback": ranks,
+            "ready_timeout": 120}
+
+
+def write_config(project: Path, provider: dict, *, name: str, teardown: str = "never", **train) -> Path:
+    cfg = {
+        "name": name,
+        "provider": provider,
+        "teardown": teardown,
+        "train": {"max_steps": 4, "checkpoint_every": 0, "log_every": 1, **train},
+        # the node's launch.sh does not inherit the test's env: share DeepSpeed's op cache explicitly
+        "env": {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
+                                                       str(REPO / ".cache" / "torch_extensions"))},
+    }
+    path = project / "gpuctl.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str, every: float = 0.5) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def assert_secret_absent(secret: str, *texts: str, dirs: tuple[Path, ...] = ()) -> None:
+    """The secret is in none of the texts and in no file under dirs (bytes compared)."""
+    for text in texts:
+        assert secret not in text, "the API key leaked into command output"
+    needle = secret.encode()
+    for folder in dirs:
+        for path in Path(folder).rglob("*"):
+            if path.is_file() and not path.is_symlink():
+                assert needle not in path.read_bytes(), f"the API key leaked into {path}"

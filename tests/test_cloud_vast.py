@@ -1,0 +1,266 @@
+"""Provider vast against a fake Vast.ai API whose instances are the loopback test sshd.
+
+Fast tests drive the provider in-process or gpuctl as a subprocess without training; the slow
+ones train for real (CPU ranks: the stand-in node shows no GPU) and let the node delete itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from provision.config import VastProvider, load_config
+from provision.errors import ProviderError
+from provision.providers import cloud, vast
+from provision.providers.base import UpOptions
+from tests.fakes.harness import (GPUCTL, assert_secret_absent, gpuctl, node_fields, ssh_target, wait_until,
+                                 write_config)
+from tests.fakes.vast_api import FakeVast, offer
+from tests.sshd import sshd  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture
+def fake(sshd, monkeypatch):  # noqa: F811
+    with FakeVast(ssh=ssh_target(sshd)) as server:
+        monkeypatch.setenv("VAST_API_KEY", server.key)
+        monkeypatch.setattr(cloud, "POLL_S", 0.2)
+        yield server
+
+
+def provider(fake, tmp_path, **extra) -> dict:
+    return {"kind": "vast", "api_url": fake.url, **node_fields(tmp_path), **extra}
+
+
+def up_in_process(project, fake, tmp_path, **extra):
+    write_config(project, provider(fake, tmp_path, **extra), name="vast-t")
+    cfg = load_config(project / "gpuctl.yaml")
+    said: list[str] = []
+    from provision import cluster
+
+    record = cluster.up(cfg, UpOptions(assume_yes=True, say=said.append))
+    return cfg, record, said
+
+
+def test_search_query_units_filters_and_cheapest_first(fake):
+    prov = VastProvider(api_url=fake.url, min_ram_gb=128, disk_gb=200, max_price=2.0)
+    query = vast.search_query(prov)
+    assert query["cpu_ram"] == {"gte": 128_000}  # the API counts MB (the vastai CLI: GB x 1000)
+    assert query["disk_space"] == {"gte": 200} and query["dph_total"] == {"lte": 2.0}
+    assert query["gpu_name"] == {"eq": "RTX 4090"} and query["num_gpus"] == {"eq": 3}
+    assert query["rentable"] == {"eq": True} and query["verified"] == {"eq": True}
+    assert query["reliability"] == {"gte": 0.98} and query["order"] == [["dph_total", "asc"]]
+    offers = vast.BACKEND.find_offers(prov)
+    assert [o.id for o in offers] == ["1001", "1003"]
+    assert offers[0].price_per_hour == 1.05 and offers[0].ram_gb == 257 and offers[0].num_gpus == 3
+
+
+def test_offers_command_prints_the_table(project, fake, tmp_path):
+    write_config(project, provider(fake, tmp_path), name="vast-t")
+    result = gpuctl("offers", cwd=project)
+    assert result.returncode == 0, result.stderr
+    assert "1001" in result.stdout and "1.050" in result.stdout and "1003" in result.stdout
+    assert "1002" not in result.stdout  # 64 GB RAM: filtered out
+    rows = json.loads(gpuctl("offers", "--json", cwd=project).stdout)
+    assert [r["id"] for r in rows] == ["1001", "1003"]
+
+
+def test_no_offer_is_one_line_with_the_filters(project, fake, tmp_path):
+    write_config(project, provider(fake, tmp_path, max_price=0.5), name="vast-t")
+    result = gpuctl("up", "--yes", cwd=project)
+    assert result.returncode == 5
+    lines = [x for x in result.stderr.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1
+    assert "no vast offer matches (gpu_name=RTX 4090, num_gpus=3, cpu_ram>=128 GB" in lines[0]
+    assert "dph_total<=$0.5/h" in lines[0] and "gpuctl offers" in lines[0]
+    assert not fake.instances and not any(m == "PUT" for m, _ in fake.requests)
+
+
+def test_dry_run_shows_the_pick_and_price_and_creates_nothing(project, fake, tmp_path):
+    write_config(project, provider(fake, tmp_path, max_hours=2), name="vast-t")
+    result = gpuctl("up", "--dry-run", cwd=project)
+    assert result.returncode == 0, result.stderr
+    assert "offer 1001: 3 x RTX 4090 at $1.050/h" in result.stderr
+    assert "budget cap 2.00 h = $2.10" in result.stderr
+    assert [m for m, _ in fake.requests] == ["POST"] and not fake.instances
+
+
+def test_up_asks_first_and_a_no_creates_nothing(project, fake, tmp_path):
+    write_config(project, provider(fake, tmp_path), name="vast-t")
+    result = gpuctl("up", cwd=project, input="n\n")
+    assert result.returncode == 1
+    assert "create 1 vast node(s) at $1.050/h?" in result.stderr
+    assert "nothing was created" in result.stderr and not fake.instances
+
+
+def test_wrong_key_is_a_clear_line_without_the_key(project, fake, tmp_path, state_dir):
+    write_config(project, provider(fake, tmp_path), name="vast-t")
+    wrong = "vast-WRONG-key-5f3a9c1e"
+    for cmd in (["offers"], ["up", "--yes"]):
+        result = gpuctl(*cmd, cwd=project, env={"VAST_API_KEY": wrong})
+        assert result.returncode == 5, result.stderr
+        assert "Vast.ai rejected the API key from $VAST_API_KEY (HTTP 401)" in result.stderr
+        assert_secret_absent(wrong, result.stdout, result.stderr, dirs=(state_dir,))
+
+
+def test_key_from_the_vast_api_key_file(project, fake, tmp_path, monkeypatch):
+    monkeypatch.delenv("VAST_API_KEY")
+    write_config(project, provider(fake, tmp_path), name="vast-t")
+    home = tmp_path / "home"
+    home.mkdir()
+    missing = gpuctl("offers", cwd=project, env={"HOME": str(home)})
+    assert missing.returncode == 5 and "~/.vast_api_key" in missing.stderr
+    (home / ".vast_api_key").write_text(fake.key + "\n")
+    found = gpuctl("offers", cwd=project, env={"HOME": str(home)})
+    assert found.returncode == 0 and "1001" in found.stdout
+
+
+def test_up_waits_for_ssh_records_price_and_down_is_idempotent(project, fake, tmp_path, state_dir):
+    cfg, record, said = up_in_process(project, fake, tmp_path)
+    node = record.nodes[0]
+    assert record.provider == "vast" and record.price_per_hour == 1.05
+    assert node.instance_id == "7000001" and node.address == "127.0.0.1" and node.port == fake.ssh.port
+    assert node.slots == 3 and node.accelerator == "cpu"  # no GPU on the stand-in: CPU ranks
+    assert any("shows no GPU" in line for line in said)
+    body = fake.created_bodies[0]
+    assert body["image"] == cfg.provider.image and body["runtype"] == "ssh_direct"
+    assert body["disk"] == 200 and body["label"] == "gpuctl-vast-t-0"
+    assert fake.instances[7000001]["_keys"] == [(state_dir / "keys" / "vast-t" / "id_ed25519.pub").read_text().strip()]
+    status = json.loads(gpuctl("status", "--json", cwd=project).stdout)
+    assert status["cluster"]["price_per_hour"] == 1.05
+    shown = gpuctl("status", cwd=project)
+    assert "cost so far: $" in shown.stdout and "at $1.050/h" in shown.stdout
+
+    first = gpuctl("down", "--yes", cwd=project)
+    assert first.returncode == 0, first.stderr
+    assert "terminated 1 vast instance(s); vast no longer lists them" in first.stderr
+    assert not fake.instances and fake.deleted == [7000001]
+    second = gpuctl("down", "--yes", cwd=project)
+    assert second.returncode == 0 and "not up; nothing to do" in second.stderr
+    assert not (state_dir / "keys" / "vast-t").exists()
+
+
+def test_down_of_an_instance_that_is_already_gone(project, fake, tmp_path):
+    _cfg, record, _ = up_in_process(project, fake, tmp_path)
+    fake.instances.clear()  # deleted behind gpuctl's back (or by itself)
+    result = gpuctl("down", "--yes", cwd=project)
+    assert result.returncode == 0, result.stderr
+    assert "vast no longer lists them" in result.stderr
+
+
+def test_down_fails_loudly_while_the_vendor_still_lists_it(project, fake, tmp_path, monkeypatch):
+    _cfg, record, _ = up_in_process(project, fake, tmp_path)
+    monkeypatch.setattr(vast.VastBackend, "terminate", lambda self, cluster, iid: None)  # a DELETE that did nothing
+    with pytest.raises(ProviderError) as err:
+        vast.BACKEND.wait_gone(record, ["7000001"], timeout_s=1)
+    assert "still lists instance(s) 7000001" in err.value.one_line()
+
+
+def test_a_node_that_dies_while_booting_is_terminated(project, fake, tmp_path, state_dir, monkeypatch):
+    real_view = fake._view
+
+    def exited(inst):
+        view = real_view(inst)
+        view["actual_status"] = "exited" if inst["_reads"] > 1 else view["actual_status"]
+        return view
+
+    monkeypatch.setattr(fake, "_view", exited)
+    with pytest.raises(ProviderError) as err:
+        up_in_process(project, fake, tmp_path)
+    assert "ended in state 'exited'" in err.value.one_line()
+    assert not fake.instances and fake.deleted == [7000001]
+    assert not list(state_dir.glob("clusters/*.json"))
+
+
+def test_a_node_without_gpu_is_an_error_unless_cpu_fallback(project, fake, tmp_path):
+    with pytest.raises(ProviderError) as err:
+        up_in_process(project, fake, tmp_path, cpu_ranks_fallback=None)
+    assert "shows no GPU" in err.value.one_line() and not fake.instances
+
+
+def test_ctrl_c_during_up_after_create_leaves_nothing(project, fake, tmp_path, state_dir):
+    fake.boot_polls = 10**6  # it never finishes booting
+    write_config(project, provider(fake, tmp_path), name="vast-t")
+    proc = subprocess.Popen([*GPUCTL, "up", "--yes"], cwd=project, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: fake.instances and any("/ssh/" in p for _, p in fake.requests), 60,
+                   "the create call")
+        time.sleep(1)  # well inside the boot wait
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "interrupted: terminating the 1 instance(s) this attempt created" in err
+    assert not fake.instances and fake.deleted == [7000001]
+    assert not list(state_dir.glob("clusters/*.json"))
+
+
+def test_the_node_teardown_command_is_python_urllib_with_the_key_in_env(project, fake, tmp_path):
+    _cfg, record, _ = up_in_process(project, fake, tmp_path)
+    teardown = vast.BACKEND.self_teardown(record)
+    assert teardown.argv[1] == "-c" and "urllib.request" in teardown.argv[2]
+    assert teardown.argv[3:] == ["DELETE", f"{fake.url}/instances/7000001/", ""]
+    assert teardown.env == {"GPUCTL_TEARDOWN_KEY": fake.key}
+    assert fake.key not in " ".join(teardown.argv)
+    # run it as the node would: the fake deletes the instance
+    done = subprocess.run(teardown.argv, env={**os.environ, **teardown.env}, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not fake.instances
+    again = subprocess.run(teardown.argv, env={**os.environ, **teardown.env}, capture_output=True, timeout=60)
+    assert again.returncode == 0  # 404: already gone is done
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_e2e_up_train_self_teardown_down(project, fake, tmp_path, state_dir):
+    write_config(project, provider(fake, tmp_path), name="vast-e2e", teardown="after-train")
+    outputs = []
+    up = gpuctl("up", "--yes", cwd=project)
+    outputs += [up.stdout, up.stderr]
+    assert up.returncode == 0, up.stderr
+    train = gpuctl("train", cwd=project)
+    outputs += [train.stdout, train.stderr]
+    assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
+    assert "step 4/4" in train.stdout
+    wait_until(lambda: not fake.instances, 120, "the node to delete itself")
+    assert fake.deleted == [7000001]
+    assert fake.requests[-1][0] == "DELETE"  # the node's own call, not gpuctl's
+    for _ in range(2):
+        down = gpuctl("down", "--yes", cwd=project)
+        outputs += [down.stdout, down.stderr]
+        assert down.returncode == 0, down.stderr
+    run_dir = next((tmp_path / "node" / "runs").iterdir())
+    assert "self-teardown accepted" in (run_dir / "job.log").read_text()
+    assert not (run_dir / "secrets.env").exists()
+    assert_secret_absent(fake.key, *outputs, dirs=(state_dir, tmp_path / "node", project))
+    assert all(fake.key not in p for p in fake.raw_paths)  # never in a URL
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_budget_cap_tears_the_node_down_even_if_the_run_goes_on(project, fake, tmp_path):
+    # $0.015 at $1.05/h is ~51 s from creation; the run would take many minutes.
+    write_config(project, provider(fake, tmp_path, max_cost=0.015), name="vast-cap", max_steps=100000)
+    up = gpuctl("up", "--yes", cwd=project)
+    assert up.returncode == 0, up.stderr
+    assert "budget cap 0.9 min = $0.01" in up.stderr
+    started = gpuctl("train", "--detach", cwd=project)
+    assert started.returncode == 0, started.stderr
+    wait_until(lambda: not fake.instances, 180, "the budget watchdog to delete the node", every=1)
+    run_dir = next((tmp_path / "node" / "runs").iterdir())
+    log = (run_dir / "job.log").read_text()
+    assert "budget cap reached" in log and "self-teardown accepted" in log
+    wait_until(lambda: json.loads((run_dir / "status.json").read_text())["state"] == "cancelled", 60,
+               "the run to stop")
+    down = gpuctl("down", "--yes", cwd=project)
+    assert down.returncode == 0, down.stderr
