@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -79,11 +80,22 @@ def launch_command(world: int, port: int) -> list[str]:
 
 
 def launch(run_dir: Path, world: int, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run the trainer with `world` CPU ranks; output also lands in run_dir/job.log."""
-    proc = subprocess.run(launch_command(world, free_port()), cwd=run_dir, env=rank_env(), timeout=timeout,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    (run_dir / "job.log").write_text(proc.stdout)
-    return proc
+    """Run the trainer with `world` CPU ranks; output goes to run_dir/job.log (as on a node).
+
+    The launcher runs in its own session; on timeout the whole group (launcher + ranks) is
+    killed, so no rank outlives the test.
+    """
+    log = run_dir / "job.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(launch_command(world, free_port()), cwd=run_dir, env=rank_env(),
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise AssertionError(f"trainer timed out after {timeout}s:\n{log.read_text()[-3000:]}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, log.read_text())
 
 
 def losses(run_dir: Path) -> dict[int, float]:

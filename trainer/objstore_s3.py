@@ -26,7 +26,7 @@ _AUTH_CODES = {
     "Forbidden", "403", "401", "Unauthorized", "UnauthorizedAccess",
 }
 _THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
-                   "ServiceUnavailable", "InternalError", "RequestTimeTooSkewed"}
+                   "ServiceUnavailable", "InternalError"}
 
 
 @dataclass(frozen=True)
@@ -126,9 +126,8 @@ class S3Backend:
             if code in ("NoSuchKey", "404", "NotFound"):
                 return StorageNotFound(f"{where}: object missing while {what}")
             if status >= 500 or code in _THROTTLE_CODES:
-                e = StorageUnavailable(f"S3 at {where} is unavailable while {what} "
-                                       f"({code or status})")
-                return e
+                return StorageUnavailable(f"S3 at {where} is unavailable while {what} "
+                                          f"({code or status})")
             return StorageError(f"S3 error {code or status} for {where} while {what}")
         if isinstance(exc, (bx.NoCredentialsError, bx.PartialCredentialsError)):
             return StorageAuthError(

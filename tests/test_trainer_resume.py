@@ -1,0 +1,59 @@
+"""Resume continues exactly: same losses as an uninterrupted run (real DeepSpeed, 2 CPU ranks)."""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+sys.path.insert(0, str(Path(__file__).parent))
+import test_trainer_helpers as h  # noqa: E402
+
+WORLD, ACCUM, STEPS, AT = 2, 2, 6, 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_resume_matches_uninterrupted_run(tmp_path):
+    full = h.make_run_dir(tmp_path / "full", world=WORLD, grad_accum=ACCUM, max_steps=STEPS, checkpoint_every=AT)
+    proc = h.launch(full, WORLD)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    uninterrupted = h.losses(full)
+    assert sorted(uninterrupted) == list(range(1, STEPS + 1))
+    assert uninterrupted[STEPS] < uninterrupted[1] - 0.3, uninterrupted  # it learns
+    assert h.summary(full)["state"] == "succeeded"
+    assert h.summary(full)["last_checkpoint"] == f"step{STEPS}"
+
+    # The contract's resume form: an absolute save dir whose `latest` names the tag.
+    saved = tmp_path / "saved"
+    shutil.copytree(full / "checkpoints" / f"step{AT}", saved / f"step{AT}")
+    (saved / "latest").write_text(f"step{AT}")
+    resumed = h.make_run_dir(tmp_path / "resumed", world=WORLD, grad_accum=ACCUM, max_steps=STEPS,
+                             checkpoint_every=AT, resume=str(saved))
+    proc = h.launch(resumed, WORLD)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    after = h.losses(resumed)
+    assert sorted(after) == list(range(AT + 1, STEPS + 1))
+    for step, loss in after.items():
+        assert loss == pytest.approx(uninterrupted[step], abs=1e-6), (step, after, uninterrupted)
+    assert h.summary(resumed)["start_step"] == AT
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_resume_with_other_world_size_fails_clearly(tmp_path):
+    saved = tmp_path / "saved"
+    (saved / "step3").mkdir(parents=True)
+    (saved / "step3" / "trainer_state.json").write_text(json.dumps(
+        {"step": 3, "samples_seen": 12, "data_seed": 1234, "world_size": 3, "train_batch_size": 12}))
+    (saved / "latest").write_text("step3")
+    run = h.make_run_dir(tmp_path / "run", world=1, grad_accum=4, resume=str(saved))
+    proc = h.launch(run, 1)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("trainer: error")]
+    assert len(errors) == 1, proc.stdout[-3000:]
+    assert "saved by 3 ranks but this run has 1" in errors[0]
+    assert h.summary(run)["state"] == "failed"
