@@ -61,8 +61,10 @@ RUN pip install \
 # 5. Our own code last: editing the trainer rebuilds only these small layers.
 COPY images/entrypoint.sh /usr/local/bin/gpuctl-entrypoint
 COPY trainer/ /opt/gpuctl/trainer/
+# TINI_SUBREAPER: under `docker run --init` (runtime docker) our tini is not PID 1; it still reaps.
 ENV PYTHONPATH=/opt/gpuctl \
-    DS_ACCELERATOR=cuda
+    DS_ACCELERATOR=cuda \
+    TINI_SUBREAPER=1
 
 ARG GPUCTL_VERSION=0.1.0
 ARG VCS_REF=unknown

@@ -182,8 +182,11 @@ def render(output: Annotated[Path, typer.Option("--output", "-o", help="bundle f
     from provision.render import render_bundle
 
     cfg = _config(config)
+    from provision.credentials import StorageCredentials
+
     cluster = _planned_cluster(cfg)
-    spec = job.bundle_spec(cfg, cluster, "rendered")
+    # No storage credentials in a folder the user keeps: `gpuctl train` hands them over itself.
+    spec = job.bundle_spec(cfg, cluster, "rendered", credentials=StorageCredentials())
     spec.run_dir = str(output.resolve())
     render_bundle(cfg, spec, output.resolve())
     say(f"wrote {output}/: hostfile, ds_config.json, launch.sh, .deepspeed_env, run.json, lib/")
@@ -195,7 +198,7 @@ def status(run_id: RunArg = None, config: ConfigOpt = None, as_json: JsonOpt = F
            cluster: Annotated[Optional[str], typer.Option(help="cluster name")] = None) -> None:
     """Show the cluster and the newest (or given) run."""
     from provision import job, state
-    from provision.errors import NotFoundError
+    from provision.errors import NotFoundError, RemoteError
 
     name = cluster if (cluster or run_id) else _cluster_name(config, None)
     record = state.find_cluster(name) if name else None
@@ -204,6 +207,10 @@ def status(run_id: RunArg = None, config: ConfigOpt = None, as_json: JsonOpt = F
         result = job.read_status(run, job.node_of(run)) if state.find_cluster(run.cluster) else None
     except NotFoundError:
         run, result = None, None
+    except RemoteError as exc:  # e.g. a cloud node that tore itself down (teardown, budget cap)
+        say(f"warning: cannot reach the node ({exc.message}); showing the last recorded state. "
+            "A node that deleted itself is forgotten by `gpuctl down`")
+        result = None
     info = {"cluster": state.dump(record) if record else None,
             "run": result.to_json() if result else (state.dump(run) if run else None)}
     if as_json:

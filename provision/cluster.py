@@ -78,6 +78,7 @@ def planned(cfg: GpuctlConfig) -> state.ClusterRecord:
     """The cluster `up` would record, without touching a machine (for render and dry runs)."""
     from provision.config import HOST_RE, LocalProvider, SSHProvider
     from provision.providers.local import node_python, visible_gpus
+    from provision.runtime import resolve
 
     prov = cfg.provider
     if isinstance(prov, LocalProvider):
@@ -99,8 +100,10 @@ def planned(cfg: GpuctlConfig) -> state.ClusterRecord:
                 host=match["host"], address=match["host"], port=int(match["port"] or 22), user=user,
                 slots=prov.gpus_per_node or prov.cpu_ranks,
                 accelerator="cuda" if prov.gpus_per_node else "cpu", workdir=f"{home}/gpuctl"))
-        return state.ClusterRecord(name=cfg.cluster_name, provider="ssh", nodes=nodes, python=prov.python)
+        docker = prov.runtime == "docker"  # auto depends on the node; `up` decides
+        return state.ClusterRecord(name=cfg.cluster_name, provider="ssh", nodes=nodes, python=prov.python,
+                                   runtime="docker" if docker else "none", image=prov.image if docker else None)
     nodes = [state.NodeRecord(host=f"node{i}", slots=prov.gpus_per_node, accelerator="cuda",
                               gpu_name=prov.gpu, workdir="/root/gpuctl") for i in range(prov.nodes)]
     return state.ClusterRecord(name=cfg.cluster_name, provider=prov.kind, nodes=nodes,
-                               python=prov.python, image=prov.image, runtime="image")
+                               python=prov.python, image=prov.image, runtime=resolve(prov.runtime, prov.kind))

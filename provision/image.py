@@ -131,8 +131,11 @@ def image_name(cfg, cluster=None) -> str:
 def build(cfg, image: str, *, push: bool = False, say: Say = print) -> str:
     """`docker build` here with the context as is; optionally push. Returns the image ID."""
     context, dockerfile = build_context(cfg)
-    rev = subprocess.run(["git", "-C", str(context), "rev-parse", "--short", "HEAD"],
-                         capture_output=True, text=True).stdout.strip() or "unknown"
+    try:
+        rev = subprocess.run(["git", "-C", str(context), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=30).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        rev = "unknown"  # no git here, or not a checkout
     from provision import __version__ as version
 
     argv = ["docker", "build", "-t", image, "-f", str(context / dockerfile),
@@ -173,8 +176,7 @@ def ship(node: Node, image: str, how: str, *, cfg=None, say: Say = print,
          progress: bool = True) -> ShipResult:
     """Make node have image; skip when it already has the same one. See the module docstring."""
     started = time.monotonic()
-    here = LocalNode()
-    local_id = image_id(here, image) if how in ("auto", "load") else None
+    local_id = _local_id(image, required=how == "load") if how in ("auto", "load") else None
     if how == "auto":
         how = "load" if local_id else "pull"
     if how == "load":
@@ -195,14 +197,31 @@ def ship(node: Node, image: str, how: str, *, cfg=None, say: Say = print,
         return _build_on(node, image, cfg, say, progress, started)
     if how == "pull":
         say(f"{node.label}: docker pull {image}")
-        logged_in = login(node, image)
         try:
-            _docker(node, ["pull", "--quiet", image], timeout=3600)
-        finally:
-            if logged_in:
-                logout(node, image)
+            logged_in = login(node, image)
+            try:
+                _docker(node, ["pull", "--quiet", image], timeout=3600)
+            finally:
+                if logged_in:
+                    logout(node, image)
+        except RemoteError as exc:
+            have = image_id(node, image)
+            if have is None:
+                raise
+            say(f"warning: {exc.message}; using the copy {node.label} already has ({have[:19]})")
+            return ShipResult(node.label, "skipped", have)
         return ShipResult(node.label, "pulled", image_id(node, image), 0, time.monotonic() - started)
     raise ConfigError(f"docker.ship {how!r} is not auto, pull, load or build")
+
+
+def _local_id(image: str, *, required: bool) -> str | None:
+    """The image's ID in this machine's engine; None without one (unless required: then raise)."""
+    try:
+        return image_id(LocalNode(), image)
+    except GpuctlError:
+        if required:
+            raise
+        return None  # no docker here at all: `auto` pulls on the node
 
 
 def ship_cluster(cfg, cluster, say: Say = print, nodes: list[Node] | None = None,

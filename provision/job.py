@@ -7,6 +7,7 @@ and summary.json. gpuctl only reads them, so a dropped laptop changes nothing.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -15,7 +16,8 @@ from typing import Callable
 
 from provision import state
 from provision.config import GpuctlConfig, check_batch
-from provision.errors import GpuctlError, RemoteError
+from provision.credentials import StorageCredentials, storage_credentials
+from provision.errors import ConfigError, GpuctlError, NotFoundError, RemoteError
 from provision.providers import backend
 from provision.remote import Node
 from provision.render import BundleNode, BundleSpec, render_bundle
@@ -42,7 +44,8 @@ def budget_left_s(cluster: state.ClusterRecord) -> int:
 
 
 def bundle_spec(cfg: GpuctlConfig, cluster: state.ClusterRecord, run_id: str,
-                resume: str | None = None) -> BundleSpec:
+                resume: str | None = None, *, credentials: StorageCredentials | None = None) -> BundleSpec:
+    """credentials: the node's storage credentials (default: resolved now from boto3's chain)."""
     first = cluster.nodes[0]
     prov = cfg.provider
     spec = BundleSpec(run_id=run_id, run_dir=run_dir_of(first.workdir, run_id),
@@ -55,6 +58,8 @@ def bundle_spec(cfg: GpuctlConfig, cluster: state.ClusterRecord, run_id: str,
         spec.master_addr = first.address
         spec.ssh_port = first.port
         spec.ssh_config = node_ssh_config(first.workdir)  # written by mesh.setup at `up`
+    # Storage credentials reach the node only through secrets.env (never run.json or argv).
+    spec.secrets.update((storage_credentials(cfg.storage) if credentials is None else credentials).env)
     teardown = None
     if cfg.teardown == "after-train" or cluster.budget_hours:
         teardown = backend(cluster.provider).self_teardown(cluster)
@@ -76,8 +81,13 @@ def start_run(cfg: GpuctlConfig, cluster: state.ClusterRecord, *, resume: str | 
               say: Callable[[str], None] = print) -> state.RunRecord:
     """Render, ship to every node, start launch.sh detached on the first; record the run."""
     batch = check_batch(cfg.train, cluster.world_size)
+    check_resume(cfg, cluster, resume, say)
     run_id = new_run_id()
-    spec = bundle_spec(cfg, cluster, run_id, resume)
+    credentials = storage_credentials(cfg.storage)
+    if credentials.expires:
+        say(f"warning: the storage credentials ({credentials.method or 'session'}) are temporary; the node "
+            "cannot refresh them, so uploads fail once they expire (use long-lived keys for long runs)")
+    spec = bundle_spec(cfg, cluster, run_id, resume, credentials=credentials)
     bundle = render_bundle(cfg, spec, state.state_dir() / "runs" / run_id)
     nodes = backend(cluster.provider).nodes(cluster)
     try:
@@ -100,6 +110,52 @@ def start_run(cfg: GpuctlConfig, cluster: state.ClusterRecord, *, resume: str | 
     state.save_run(record)
     say(f"run {run_id} started on {cluster.name}: {cluster.world_size} ranks, batch {batch}")
     return record
+
+
+def check_resume(cfg: GpuctlConfig, cluster: state.ClusterRecord, resume: str | None,
+                 say: Callable[[str], None]) -> None:
+    """Before anything ships: the checkpoint to resume from is in the store and fits the cluster.
+
+    The node downloads and verifies it (falling back to an older complete one on a bad shard);
+    this only reads manifests. A store the laptop cannot reach is left to the node.
+    """
+    if resume is None or resume.startswith("/"):
+        return
+    from trainer.objstore import CheckpointStore, StorageError, StorageUnavailable
+
+    storage = cfg.storage.model_dump()
+    storage["url"] = cfg.storage_url()
+    store = CheckpointStore.from_config(storage, log=say)
+    try:
+        if resume == "latest":
+            info = store.latest()
+        else:
+            info = store.info(resume) or next(
+                (i for i in store.list() if i.complete and 0 <= i.step < _tag_step(resume)), None)
+            if info is not None and info.tag != resume:
+                say(f"checkpoint {resume} is not complete in {store.url}; the node will fall back to {info.tag}")
+    except ValueError as exc:  # not a valid tag name
+        raise ConfigError(f"--resume-from {resume}: {exc}", "`gpuctl ckpt ls` lists the tags") from None
+    except StorageUnavailable as exc:
+        say(f"warning: cannot check the checkpoint from here ({exc}); the node will")
+        return
+    except StorageError as exc:
+        raise ConfigError(f"cannot read checkpoints in {store.url}: {exc}", "fix storage in gpuctl.yaml") from None
+    if info is None:
+        what = "complete checkpoint" if resume == "latest" else f"complete checkpoint {resume} (or older)"
+        raise NotFoundError(f"no {what} in {store.url} to resume from",
+                            "`gpuctl ckpt ls` lists what is there; drop --resume to start fresh")
+    if info.world_size != cluster.world_size:
+        raise ConfigError(f"checkpoint {info.tag} was saved by {info.world_size} ranks but cluster {cluster.name} "
+                          f"has {cluster.world_size}; resume needs the same world size",
+                          f"run on {info.world_size} ranks, or `gpuctl ckpt pull {info.tag} --hf DIR` and "
+                          "start a new run with train.model: DIR")
+    say(f"resuming from {info.tag} (step {info.step}) in {store.url}")
+
+
+def _tag_step(tag: str) -> int:
+    digits = re.search(r"(\d+)$", tag)
+    return int(digits.group(1)) if digits else -1
 
 
 @dataclass
@@ -137,7 +193,7 @@ def node_of(run: state.RunRecord) -> Node:
 def read_status(run: state.RunRecord, node: Node) -> RunStatus:
     status = _json_or_empty(node.read_text(f"{run.run_dir}/status.json"))
     summary = _json_or_empty(node.read_text(f"{run.run_dir}/summary.json"))
-    tail = node.sh('[ -f "$1" ] && tail -n 1 -- "$1"', f"{run.run_dir}/metrics.jsonl", check=False).stdout
+    tail = node.last_line(f"{run.run_dir}/metrics.jsonl")
     run_state = status.get("state", run.state)
     if run_state == "running" and run.pgid and not node.group_alive(run.pgid):
         # It may have ended (and written status.json) since the reads above: read them again.
@@ -171,8 +227,7 @@ def follow(run: state.RunRecord, out: Callable[[str], None], *, until_end: bool 
         try:
             node = node or node_of(run)
             status = read_status(run, node)  # first: once it is terminal, the log read next is complete
-            chunk = node.sh('[ -f "$1" ] && tail -c +"$2" -- "$1"', f"{run.run_dir}/job.log",
-                            str(offset + 1), check=False, timeout=60).stdout
+            chunk, next_offset = node.read_new(f"{run.run_dir}/job.log", offset)
             last_ok = time.monotonic()
         except RemoteError as exc:
             if node is not None:
@@ -183,8 +238,8 @@ def follow(run: state.RunRecord, out: Callable[[str], None], *, until_end: bool 
                                   "check the node, then `gpuctl logs -f` to reattach") from None
             time.sleep(2)
             continue
+        offset = next_offset
         if chunk:
-            offset += len(chunk.encode())
             for line in chunk.splitlines():
                 out(line)
         if not until_end or status.state in TERMINAL:
@@ -207,6 +262,9 @@ def cancel(run: state.RunRecord, *, grace_s: float = 20) -> bool:
         if node.group_alive(run.pgid):
             node.signal_group(run.pgid, "KILL")
             time.sleep(1)
+            from provision.runtime import remove_container
+
+            remove_container(run, node)  # a killed `docker run` client leaves its container running
         gone = not node.group_alive(run.pgid)
     finally:
         node.close()

@@ -59,8 +59,9 @@ class Node:
         return result.stdout if result.rc == 0 else None
 
     def write_text(self, path: str, text: str, mode: str = "600") -> None:
-        self.run(["bash", "-c", 'umask 077; mkdir -p "$(dirname "$1")" && cat > "$1" && chmod "$2" "$1"',
-                  "gpuctl", path, mode], stdin=text.encode(), timeout=60)
+        # The parent by parameter expansion: $(dirname) would drop a trailing newline of a name.
+        script = 'umask 077; case "$1" in */*) d="${1%/*}";; *) d=.;; esac; mkdir -p -- "${d:-/}" && cat > "$1" && chmod "$2" "$1"'
+        self.run(["bash", "-c", script, "gpuctl", path, mode], stdin=text.encode(), timeout=60)
 
     def start_detached(self, cwd: str, script: str, log: str) -> int:
         """Start `bash script` in cwd, detached, output to log; returns its pid (= its pgid)."""
@@ -69,6 +70,15 @@ class Node:
             return int(out.splitlines()[-1])
         except (ValueError, IndexError):
             raise RemoteError(f"{self.label}: could not start {script} (got {out!r})") from None
+
+    def read_new(self, path: str, offset: int) -> tuple[str, int]:
+        """What a growing file holds from byte `offset` on, and the offset after it."""
+        text = self.sh('[ -f "$1" ] && tail -c +"$2" -- "$1"', path, str(offset + 1), check=False, timeout=60).stdout
+        return text, offset + len(text.encode())
+
+    def last_line(self, path: str) -> str:
+        """The last line of a file ("" when missing)."""
+        return self.sh('[ -f "$1" ] && tail -n 1 -- "$1"', path, check=False, timeout=60).stdout
 
     def group_alive(self, pgid: int) -> bool:
         return self.sh('kill -0 -- "-$1" 2>/dev/null', str(pgid), check=False, timeout=30).rc == 0

@@ -27,6 +27,12 @@ TEMPLATES = {"hostfile": "hostfile.j2", "ds_config.json": "ds_config.json.j2",
 RTX40_NCCL = {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
 # .deepspeed_env values are wrapped in double quotes by DeepSpeed, not escaped.
 UNSAFE_DS_ENV = re.compile(r'["$`\\\n]')
+# Multi-node secrets: DeepSpeed turns every .deepspeed_env line into `export K=V;` on the pdsh
+# command line (argv on every node) and logs that line (`cmd = ...`) into job.log, so secrets
+# cannot travel that way. Instead each node's copy of the bundle holds the 0600 secrets.env, and
+# DeepSpeed's --venv_script makes the remote shell source this script (which loads then deletes
+# it) before it starts that node's ranks. Only its path is on the command line.
+NODE_ENV = "node_env.sh"
 
 
 @dataclass
@@ -100,6 +106,8 @@ def launcher_argv(spec: BundleSpec) -> list[str]:
         argv.append("--no_ssh_check")  # one host: DeepSpeed launches locally, no pdsh
     else:
         argv += ["--launcher", "pdsh"]
+        if spec.secrets:  # each node sources its own secrets.env (see NODE_ENV), not .deepspeed_env
+            argv += ["--venv_script", f"{spec.run_dir}/{NODE_ENV}"]
         if spec.ssh_config:  # gpuctl checked node-to-node SSH at `up`; DeepSpeed's check ignores -F
             argv.append("--no_ssh_check")
         elif spec.ssh_port:
@@ -112,6 +120,7 @@ def run_json(cfg: GpuctlConfig, spec: BundleSpec, data_rel: str) -> dict:
     train["data"] = data_rel
     storage = cfg.storage.model_dump()
     storage["url"] = cfg.storage_url()
+    storage["profile"] = None  # the laptop's profile: the node has none; credentials come in secrets.env
     return {"run_id": spec.run_id, "ds_config": "ds_config.json", "num_nodes": len(spec.nodes),
             "train": train, "storage": storage, "resume": spec.resume}
 
@@ -146,8 +155,18 @@ def render_bundle(cfg: GpuctlConfig, spec: BundleSpec, out_dir: Path) -> Path:
     if spec.secrets:
         lines = "".join(f"{k}={shlex.quote(v)}\n" for k, v in spec.secrets.items())
         write_atomic(out_dir / "secrets.env", lines, 0o600)
+        if len(spec.nodes) > 1:
+            write_atomic(out_dir / NODE_ENV, _node_env_script(spec.run_dir), 0o644)
     _ship_trainer(out_dir / "lib" / "trainer")
     return out_dir
+
+
+def _node_env_script(run_dir: str) -> str:
+    secrets = shlex.quote(f"{run_dir}/secrets.env")
+    return ("# Sourced on every node by DeepSpeed's pdsh launcher (--venv_script) before it starts the\n"
+            "# node's ranks: they get the run's secrets (storage credentials) without any command line\n"
+            "# or log carrying them. Deleted once read (launch.sh loaded it before starting the launcher).\n"
+            f"if [ -f {secrets} ]; then set -a; . {secrets}; set +a; rm -f {secrets}; fi\n")
 
 
 def _ship_data(cfg: GpuctlConfig, out_dir: Path) -> str:

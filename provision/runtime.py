@@ -102,6 +102,15 @@ def container_name(run_id: str) -> str:
     return f"gpuctl-{run_id}"
 
 
+def remove_container(run, node) -> None:
+    """Force-remove a run's container (after its `docker run` client was killed); no-op otherwise."""
+    from provision.state import find_cluster
+
+    cluster = find_cluster(run.cluster)
+    if cluster is not None and cluster.runtime == "docker":
+        node.run(["docker", "rm", "-f", container_name(run.run_id)], check=False, timeout=120)
+
+
 def docker_run_for(cfg, cluster, spec) -> DockerRun:
     """The DockerRun of a run: image from the cluster record, env names from the bundle spec.
 

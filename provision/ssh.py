@@ -221,7 +221,9 @@ def _connect_error(exc: BaseException, user: str, address: str, port: int, timeo
     if isinstance(exc, (socket.timeout, TimeoutError)):
         return ConnectError(f"{where}: no answer within {timeout:g}s (host unreachable or down)",
                             "check the address and your network; a booting node needs a minute", transient=True)
-    if isinstance(exc, paramiko.SSHException) and "banner" in str(exc).lower():
+    # paramiko: "Error reading SSH protocol banner", or "No existing session" when its
+    # handshake wait (the same timeout) ran out first
+    if isinstance(exc, paramiko.SSHException) and ("banner" in str(exc).lower() or "No existing session" in str(exc)):
         return ConnectError(f"{where}: no SSH banner within {timeout:g}s (not an SSH server, or it is overloaded)",
                             "check the port in provider.hosts", transient=True)
     if isinstance(exc, OSError) and exc.errno is not None:
@@ -306,7 +308,9 @@ class SSHNode(Node):
         self.connect_timeout = connect_timeout
         self.pin_new = pin_new
         self.label = label or _where(user, address, self.port)
-        self._key = (user, address, self.port, identity_file)
+        # The known_hosts file is part of the key: a connection checked against another state
+        # dir's pins (tests, GPUCTL_STATE_DIR switches) is not reused.
+        self._key = (user, address, self.port, identity_file, str(known_hosts_path()))
 
     @classmethod
     def from_record(cls, node: "state.NodeRecord", identity_file: str | None = None, **kw) -> "SSHNode":
@@ -424,20 +428,63 @@ class SSHNode(Node):
             client._gpuctl_sftp = sftp
         return sftp
 
-    def read_text(self, path: str) -> str | None:
-        """A file's text, or None when it is missing or unreadable (over SFTP: no shell start)."""
+    def _over_sftp(self, path: str, action: Callable[[paramiko.SFTPClient], object], missing: object) -> object:
+        """Run a file action over the kept SFTP session; `missing` when the file is not there
+        (or unreadable); RemoteError when the connection is gone."""
         try:
-            with self._sftp().open(path, "rb") as fh:
-                data = fh.read()
+            return action(self._sftp())
         except (paramiko.SSHException, OSError, EOFError) as exc:
-            client = _POOL.get(self._key)
+            with _POOL_LOCK:
+                client = _POOL.get(self._key)
             transport = client.get_transport() if client else None
             if isinstance(exc, OSError) and transport is not None and transport.is_active():
-                return None  # missing, a folder, no permission: like `[ -f ] && cat` failing
+                return missing  # missing, a folder, no permission: like `[ -f ] && cat` failing
             self.drop_connection()
             raise RemoteError(f"{self.label}: connection lost reading {path} ({exc or type(exc).__name__})",
                               "check the node; gpuctl reconnects on the next command") from None
-        return data.decode("utf-8", "replace")
+
+    def read_text(self, path: str) -> str | None:
+        """A file's text, or None when it is missing or unreadable (over SFTP: no shell start)."""
+        def read(sftp: paramiko.SFTPClient) -> str:
+            with sftp.open(path, "rb") as fh:
+                return fh.read().decode("utf-8", "replace")
+
+        return self._over_sftp(path, read, None)
+
+    def read_new(self, path: str, offset: int) -> tuple[str, int]:
+        """New bytes of a growing file from `offset`, cut before a partly written UTF-8 character."""
+        def read(sftp: paramiko.SFTPClient) -> tuple[str, int]:
+            with sftp.open(path, "rb") as fh:
+                size = fh.stat().st_size
+                if size <= offset:
+                    return "", offset
+                fh.seek(offset)
+                if size - offset > 256 * 1024:
+                    fh.prefetch(size)  # a long log on first attach: pipelined reads
+                data = fh.read(size - offset)
+            end = _complete_utf8(data)
+            return data[:end].decode("utf-8", "replace"), offset + end
+
+        return self._over_sftp(path, read, ("", offset))
+
+    def last_line(self, path: str) -> str:
+        def read(sftp: paramiko.SFTPClient) -> str:
+            with sftp.open(path, "rb") as fh:
+                size = fh.stat().st_size
+                fh.seek(max(0, size - 65536))
+                lines = fh.read().rstrip(b"\n").rsplit(b"\n", 1)
+            return lines[-1].decode("utf-8", "replace") if size else ""
+
+        return self._over_sftp(path, read, "")
+
+    def group_alive(self, pgid: int) -> bool:
+        """The group's leader (launch.sh) alive means the group is: one SFTP stat, no shell.
+        Only when the leader is gone does it ask the shell whether members are left."""
+        def leader(sftp: paramiko.SFTPClient) -> bool:
+            sftp.stat(f"/proc/{int(pgid)}")
+            return True
+
+        return bool(self._over_sftp(f"/proc/{pgid}", leader, False)) or super().group_alive(pgid)
 
     def put_dir(self, local: Path, remote: str) -> None:
         """Copy a local folder to `remote` over SFTP (created 0700), minus ignored files."""
@@ -467,6 +514,17 @@ class SSHNode(Node):
             raise RemoteError(f"{self.label}: copying {local} to {remote} failed: {exc}") from None
         finally:
             sftp.close()
+
+
+def _complete_utf8(data: bytes) -> int:
+    """Length of the longest prefix of data that does not end inside a UTF-8 character."""
+    i = len(data) - 1
+    while i >= 0 and len(data) - i < 4 and data[i] & 0xC0 == 0x80:
+        i -= 1
+    if i < 0 or data[i] < 0xC0:
+        return len(data)
+    need = 2 if data[i] < 0xE0 else 3 if data[i] < 0xF0 else 4
+    return len(data) if len(data) - i >= need else i
 
 
 def _sftp_mkdir(sftp: paramiko.SFTPClient, path: str, mode: int) -> None:

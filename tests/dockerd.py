@@ -22,6 +22,8 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
+import sysconfig
 import tarfile
 import tempfile
 import time
@@ -31,12 +33,10 @@ import pytest
 
 DOCKERD = shutil.which("dockerd") or "/usr/sbin/dockerd"
 BASE_IMAGE = "gpuctl-test-base:1"
-PYTHON = "/usr/bin/python3.11"
 TOOLS = ("bash", "cat", "ls", "mkdir", "rm", "mv", "cp", "sleep", "date", "env", "id", "uname",
          "head", "tail", "tr", "true", "false", "echo", "sha256sum", "hostname", "ps")
 STDLIB_SKIP = {"test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3", "pydoc_data",
-               "__pycache__", "site-packages", "dist-packages", "unittest", "distutils",
-               "config-3.11-x86_64-linux-gnu"}
+               "__pycache__", "site-packages", "dist-packages", "unittest", "distutils"}
 
 
 class Dockerd:
@@ -108,17 +108,28 @@ def _ldd(path: str) -> set[str]:
     return libs
 
 
+def host_python() -> tuple[str, Path]:
+    """(interpreter, its stdlib): Debian's /usr/bin/python3 when there, else the one running pytest."""
+    if os.path.exists("/usr/bin/python3"):
+        real = os.path.realpath("/usr/bin/python3")
+        out = subprocess.run([real, "-c", "import sysconfig; print(sysconfig.get_paths()['stdlib'])"],
+                             capture_output=True, text=True, check=True, timeout=60)
+        return real, Path(out.stdout.strip())
+    return os.path.realpath(sys._base_executable), Path(sysconfig.get_paths()["stdlib"])
+
+
 def minimal_rootfs(out: Path) -> Path:
     """A tar of a tiny root filesystem: bash, coreutils, python3 (+stdlib), their libraries."""
+    python, stdlib = host_python()
     binaries = [shutil.which(t, path="/usr/bin:/bin") for t in TOOLS]
-    binaries = [b for b in binaries if b] + [PYTHON]
-    stdlib = Path("/usr/lib/python3.11")
+    binaries = [b for b in binaries if b] + [python]
     libs: set[str] = set()
     for binary in binaries + [str(p) for p in (stdlib / "lib-dynload").glob("*.so")]:
         libs |= _ldd(binary)
 
     def skip(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
-        return None if set(Path(info.name).parts) & STDLIB_SKIP else info
+        parts = Path(info.name).parts
+        return None if set(parts) & STDLIB_SKIP or any(p.startswith("config-") for p in parts) else info
 
     with tarfile.open(out, "w") as tar:
         for folder in ("tmp", "root", "etc", "usr/bin", "opt", "workspace", "dev", "proc", "sys"):
@@ -130,12 +141,12 @@ def minimal_rootfs(out: Path) -> Path:
                  for p in set(binaries) | libs}
         for arcname, path in sorted(files.items()):
             tar.add(os.path.realpath(path), arcname=arcname)
-        tar.add(str(stdlib), arcname="usr/lib/python3.11", filter=skip)
-        if Path("/etc/python3.11").is_dir():
-            tar.add("/etc/python3.11", arcname="etc/python3.11")
-        for name, target in (("usr/bin/sh", "bash"), ("usr/bin/python3", "python3.11"),
-                             ("usr/bin/python", "python3.11"), ("bin", "usr/bin"), ("lib", "usr/lib"),
-                             ("lib64", "usr/lib64")):
+        tar.add(str(stdlib), arcname=str(stdlib).lstrip("/"), filter=skip)
+        if Path("/etc", stdlib.name).is_dir():  # Debian's sitecustomize lives there
+            tar.add(f"/etc/{stdlib.name}", arcname=f"etc/{stdlib.name}")
+        links = [("usr/bin/sh", "bash"), ("bin", "usr/bin"), ("lib", "usr/lib"), ("lib64", "usr/lib64")]
+        links += [(f"usr/bin/{name}", python) for name in ("python3", "python") if python != f"/usr/bin/{name}"]
+        for name, target in links:
             info = tarfile.TarInfo(name)
             info.type, info.linkname = tarfile.SYMTYPE, target
             tar.addfile(info)

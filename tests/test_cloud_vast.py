@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -20,7 +21,7 @@ from provision.providers import cloud, vast
 from provision.providers.base import UpOptions
 from tests.fakes.harness import (GPUCTL, assert_secret_absent, gpuctl, node_fields, ssh_target, wait_until,
                                  write_config)
-from tests.fakes.vast_api import FakeVast, offer
+from tests.fakes.vast_api import FakeVast
 from tests.sshd import sshd  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.timeout(240)
@@ -130,7 +131,7 @@ def test_up_waits_for_ssh_records_price_and_down_is_idempotent(project, fake, tm
     assert any("shows no GPU" in line for line in said)
     body = fake.created_bodies[0]
     assert body["image"] == cfg.provider.image and body["runtype"] == "ssh_direct"
-    assert body["disk"] == 200 and body["label"] == "gpuctl-vast-t-0"
+    assert body["disk"] == 200 and re.fullmatch(r"gpuctl-vast-t-0-[0-9a-f]{6}", body["label"])
     assert fake.instances[7000001]["_keys"] == [(state_dir / "keys" / "vast-t" / "id_ed25519.pub").read_text().strip()]
     status = json.loads(gpuctl("status", "--json", cwd=project).stdout)
     assert status["cluster"]["price_per_hour"] == 1.05
@@ -178,10 +179,51 @@ def test_a_node_that_dies_while_booting_is_terminated(project, fake, tmp_path, s
     assert not list(state_dir.glob("clusters/*.json"))
 
 
+def test_a_create_whose_answer_is_lost_is_not_retried_and_not_leaked(project, fake, tmp_path, state_dir):
+    fake.lose_create_answer = True  # Vast created it, then the answer was a 502
+    with pytest.raises(ProviderError) as err:
+        up_in_process(project, fake, tmp_path)
+    assert "PUT /asks/1001/: HTTP 502" in err.value.one_line() and "(1 try)" in err.value.one_line()
+    assert [m for m, p in fake.requests].count("PUT") == 1  # a create is never retried after a 5xx
+    assert not fake.instances and fake.deleted == [7000001]  # found by this attempt's label, terminated
+    assert not list(state_dir.glob("clusters/*.json"))
+
+
 def test_a_node_without_gpu_is_an_error_unless_cpu_fallback(project, fake, tmp_path):
     with pytest.raises(ProviderError) as err:
         up_in_process(project, fake, tmp_path, cpu_ranks_fallback=None)
     assert "shows no GPU" in err.value.one_line() and not fake.instances
+
+
+def test_down_when_the_node_already_deleted_itself_mid_run(project, fake, tmp_path, state_dir):
+    from provision import state
+
+    _cfg, record, _ = up_in_process(project, fake, tmp_path)
+    state.save_run(state.RunRecord(run_id="r1", cluster=record.name, run_dir="/nowhere", bundle_dir="/nowhere",
+                                   world_size=3, train_batch_size=12, micro_batch=1, grad_accum=4, max_steps=4,
+                                   state="running", pgid=999999))
+    fake.instances.clear()  # the node tore itself down (budget cap) and took its SSH key along
+    fake.ssh.remove_key((state_dir / "keys" / "vast-t" / "id_ed25519.pub").read_text())
+    shown = gpuctl("status", cwd=project)
+    assert shown.returncode == 0 and "cannot reach the node" in shown.stderr and "cost so far" in shown.stdout
+    result = gpuctl("down", "--yes", cwd=project)
+    assert result.returncode == 0, result.stderr
+    assert "cannot reach the node of run r1" in result.stderr
+    assert state.load_run("r1").state == "lost"
+
+
+def test_two_nodes_take_the_two_cheapest_offers_and_end_together(project, fake, tmp_path):
+    fake.addresses = ("127.0.0.1", "127.0.0.2")
+    _cfg, record, said = up_in_process(project, fake, tmp_path, nodes=2)
+    assert [n.instance_id for n in record.nodes] == ["7000001", "7000002"]
+    assert [n.address for n in record.nodes] == ["127.0.0.1", "127.0.0.2"]
+    assert record.price_per_hour == pytest.approx(1.05 + 1.45)
+    assert any("node-to-node SSH ready" in line for line in said)
+    teardown = vast.BACKEND.self_teardown(record)
+    urls = teardown.argv[4::2]
+    assert urls == [f"{fake.url}/instances/7000002/", f"{fake.url}/instances/7000001/"]  # its own last
+    assert gpuctl("down", "--yes", cwd=project).returncode == 0
+    assert not fake.instances and sorted(fake.deleted) == [7000001, 7000002]
 
 
 def test_ctrl_c_during_up_after_create_leaves_nothing(project, fake, tmp_path, state_dir):

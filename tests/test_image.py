@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -29,8 +30,10 @@ runner = CliRunner()
 SECRET = "tok-" + "9f3b" * 8
 STUB_RUNNER = textwrap.dedent('''
     """Stand-in for deepspeed.launcher.runner in the test image: reports where and how it ran."""
-    import hashlib, json, os, sys
+    import hashlib, json, os, signal, sys, time
     args = sys.argv[1:]
+    if os.environ.get("GPUCTL_TEST_IGNORE_TERM"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     print(f"stub launcher: in container={os.path.exists('/.dockerenv')} cwd={os.getcwd()}", flush=True)
     print("stub launcher: argv " + " ".join(args), flush=True)
     import trainer  # the run dir's lib/ through PYTHONPATH
@@ -38,6 +41,9 @@ STUB_RUNNER = textwrap.dedent('''
     secret = os.environ.get("GPUCTL_TEST_SECRET", "")
     print(f"stub launcher: secret sha256 {hashlib.sha256(secret.encode()).hexdigest()[:16] if secret else None}")
     print(f"stub launcher: plain={os.environ.get('GPUCTL_TEST_PLAIN')} hf_home={os.environ.get('HF_HOME')}")
+    time.sleep(float(os.environ.get("GPUCTL_TEST_SLEEP", "0")))
+    if os.environ.get("GPUCTL_TEST_EXIT"):
+        sys.exit(int(os.environ["GPUCTL_TEST_EXIT"]))
     run = json.load(open(args[-1]))
     steps = run["train"]["max_steps"]
     with open("metrics.jsonl", "w") as fh:
@@ -87,7 +93,7 @@ def node(node_sshd) -> SSHNode:
     handle.close()
 
 
-def project(folder: Path, sshd: SSHD, **docker) -> Path:
+def project(folder: Path, sshd: SSHD, env: dict[str, str] | None = None, **docker) -> Path:
     ctx = write_context(folder / "ctx")
     cfg = {
         "name": "dk",
@@ -95,7 +101,7 @@ def project(folder: Path, sshd: SSHD, **docker) -> Path:
                      "runtime": "docker", "image": "gpuctl-test:1", "workdir": str(folder / "node"),
                      "cpu_ranks": 1},
         "train": {"max_steps": 3, "grad_accum": 1},
-        "env": {"GPUCTL_TEST_PLAIN": "visible"},
+        "env": {"GPUCTL_TEST_PLAIN": "visible", **(env or {})},
         "teardown": "after-train",
         # memlock=-1 is refused here (no CAP_SYS_RESOURCE to raise the hard limit)
         "docker": {"ship": "load", "context": str(ctx), "shm_size": "1g", "ulimits": ["stack=67108864"],
@@ -156,15 +162,46 @@ def test_build_ship_run_in_docker_and_skip_the_second_ship(tmp_path, laptop, nod
     ok(runner.invoke(app, ["down", "-c", str(cfg), "-y"]))
 
 
-def test_failed_run_in_container_reports_its_exit_code(tmp_path, laptop, node_sshd, node_docker):  # noqa: F811
-    cfg = project(tmp_path, node_sshd, run_args=["--entrypoint", "/usr/bin/false"])
+def wait_for_log(run_id: str, text: str, timeout: float = 60) -> None:
+    from provision import state
+
+    log = Path(state.load_run(run_id).run_dir) / "job.log"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if log.is_file() and text in log.read_text():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} not in {log}: {log.read_text() if log.is_file() else '(none)'}")
+
+
+def test_failed_and_cancelled_runs_in_containers(tmp_path, laptop, node_sshd, node_docker):  # noqa: F811
+    from provision import job, state
+
+    cfg = project(tmp_path, node_sshd, env={"GPUCTL_TEST_EXIT": "3"})
     ok(runner.invoke(app, ["image", "build", "-c", str(cfg)]))
     ok(runner.invoke(app, ["up", "-c", str(cfg), "-y"]))
     try:
         result = runner.invoke(app, ["train", "-c", str(cfg)])
-        assert result.exit_code == 1, result.output
+        assert result.exit_code == 3, result.output  # the container's exit code is the run's
         status = json.loads(ok(runner.invoke(app, ["status", "-c", str(cfg), "--json"])))
-        assert status["run"]["state"] == "failed" and status["run"]["exit_code"] == 1
+        assert status["run"]["state"] == "failed" and status["run"]["exit_code"] == 3
+
+        # `gpuctl cancel`: TERM reaches the launcher through docker run's signal proxy and --init
+        project(tmp_path, node_sshd, env={"GPUCTL_TEST_SLEEP": "300"})
+        run_id = ok(runner.invoke(app, ["train", "-c", str(cfg), "-d"])).strip().splitlines()[-1]
+        wait_for_log(run_id, "stub launcher: in container=True")
+        ok(runner.invoke(app, ["cancel", run_id, "-c", str(cfg)]))
+        status = json.loads(ok(runner.invoke(app, ["status", run_id, "--json"])))
+        assert status["run"]["state"] == "cancelled"
+        assert node_docker.docker("ps", "-aq").stdout.strip() == b""
+
+        # a launcher that ignores TERM: after the grace the group is killed, and the container
+        # its killed client leaves behind is removed by name
+        project(tmp_path, node_sshd, env={"GPUCTL_TEST_SLEEP": "300", "GPUCTL_TEST_IGNORE_TERM": "1"})
+        run_id = ok(runner.invoke(app, ["train", "-c", str(cfg), "-d"])).strip().splitlines()[-1]
+        wait_for_log(run_id, "stub launcher: in container=True")
+        assert job.cancel(state.load_run(run_id), grace_s=2)
+        assert node_docker.docker("ps", "-aq").stdout.strip() == b""
     finally:
         ok(runner.invoke(app, ["down", "-c", str(cfg), "-y"]))
 

@@ -104,3 +104,13 @@ def test_load_key_env_then_files(tmp_path, monkeypatch):
 def test_default_policy_is_bounded():
     policy = http.DEFAULT_RETRY
     assert 2 <= policy.attempts <= 10 and policy.max_wait_s <= 60
+
+
+def test_a_create_is_retried_on_429_only(server):
+    server.fail_next = [429, 429]
+    assert client(server).request("GET", "/ok", idempotent=False) == {"fine": True}
+    server.requests.clear()
+    server.fail_next = [503, 503]
+    with pytest.raises(ProviderError) as err:
+        client(server).request("GET", "/ok", idempotent=False)
+    assert len(server.requests) == 1 and "(1 try)" in err.value.one_line()

@@ -185,3 +185,91 @@ def test_dockerignore_semantics(tmp_path):
     assert first == digest()  # contents and modes, not mtimes
     (ctx / "a" / "keep.txt").write_text("changed")
     assert first != digest()
+
+
+FAKE_DOCKER = """#!/usr/bin/env bash
+# records each docker call; `login` also records what arrived on stdin
+printf '%s\\n' "$*" >> "$FAKE_DOCKER_LOG"
+case "$1" in
+  login) printf 'stdin=%s\\n' "$(cat)" >> "$FAKE_DOCKER_LOG" ;;
+  image) echo "sha256:$(printf %064d 7)" ;;
+  build) echo "Step 1/1 : FROM scratch" ;;
+esac
+"""
+
+
+def test_image_build_push_logs_in_with_stdin_and_out_again(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from provision.cli import app
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text(FAKE_DOCKER)
+    (bin_dir / "docker").chmod(0o755)
+    log = tmp_path / "docker.log"
+    monkeypatch.setenv("PATH", f"{bin_dir}:{__import__('os').environ['PATH']}")
+    monkeypatch.setenv("FAKE_DOCKER_LOG", str(log))
+    monkeypatch.setenv(image.USER_ENV, "robot")
+    monkeypatch.setenv(image.PASSWORD_ENV, SECRET)
+    (tmp_path / "gpuctl.yaml").write_text("provider: {kind: aws, image: reg.example/gpuctl/trainer:7}\n")
+    result = CliRunner().invoke(app, ["image", "build", "--push", "-c", str(tmp_path / "gpuctl.yaml")])
+    assert result.exit_code == 0, result.output
+    calls = log.read_text().splitlines()
+    assert calls[0].startswith("build -t reg.example/gpuctl/trainer:7 -f ")
+    assert f"{REPO}/Dockerfile" in calls[0] and calls[0].endswith(str(REPO)) and "VCS_REF=" in calls[0]
+    assert calls[1:5] == ["login --username robot --password-stdin reg.example", f"stdin={SECRET}",
+                          "push reg.example/gpuctl/trainer:7", "logout reg.example"]
+    assert all(SECRET not in c for c in calls if not c.startswith("stdin="))
+    assert "Step 1/1" in result.output and "pushed" in result.output
+
+
+def test_dry_run_shows_the_docker_wrapper(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from provision.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gpuctl.yaml").write_text(
+        "provider: {kind: ssh, hosts: [me@10.1.2.3], runtime: docker, image: reg.example/t:1, gpus_per_node: 3}\n"
+        "train: {grad_accum: 4}\n")
+    result = CliRunner().invoke(app, ["train", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "docker run --rm --init" in result.output and "--gpus all" in result.output
+    assert "reg.example/t:1 python3 -u -m deepspeed.launcher.runner" in result.output
+
+
+class Scripted(Node):
+    """A node whose docker answers from a table: argv[1] -> (rc, stdout)."""
+
+    label = "scripted"
+
+    def __init__(self, answers: dict[str, tuple[int, str]]):
+        self.answers = answers
+        self.calls: list[list[str]] = []
+
+    def run(self, argv, *, check=True, timeout=None, stream=None, stdin=None):
+        self.calls.append(argv)
+        rc, out = self.answers.get(argv[1], (0, ""))
+        return CommandResult(rc, out, "" if rc == 0 else f"{argv[1]} failed")
+
+
+def test_failed_pull_falls_back_to_the_copy_the_node_has(monkeypatch):
+    monkeypatch.delenv(image.USER_ENV, raising=False)
+    node = Scripted({"pull": (1, ""), "image": (0, "sha256:" + "a" * 64)})
+    said: list[str] = []
+    result = image.ship(node, "ghcr.io/acme/t:1", "pull", say=said.append)
+    assert result.action == "skipped" and result.image_id == "sha256:" + "a" * 64
+    assert any("warning" in line and "already has" in line for line in said)
+    bare = Scripted({"pull": (1, ""), "image": (1, "")})
+    with pytest.raises(Exception, match="docker pull failed"):
+        image.ship(bare, "ghcr.io/acme/t:1", "pull", say=said.append)
+
+
+def test_auto_without_docker_here_pulls_on_the_node(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no docker binary on this "laptop"
+    monkeypatch.delenv(image.USER_ENV, raising=False)
+    node = Scripted({"image": (0, "sha256:" + "b" * 64)})
+    assert image.ship(node, "ghcr.io/acme/t:1", "auto", say=lambda _: None).action == "pulled"
+    with pytest.raises(Exception, match="docker is not installed here"):
+        image.ship(node, "ghcr.io/acme/t:1", "load", say=lambda _: None)

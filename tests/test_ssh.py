@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from provision import cluster, mesh, sshconfig, state
@@ -105,7 +105,9 @@ NASTY = st.text(alphabet=st.sampled_from(list("ab ;$()`'\"\\\n\t|&*?~#!{}<>=%") 
                 min_size=1, max_size=12)
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# No shrink phase: each example costs SSH round trips; the failing example is printed as found.
+@settings(max_examples=30, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate),
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(args=st.lists(NASTY, min_size=1, max_size=4), name=NASTY, text=st.text(max_size=40))
 def test_user_values_arrive_verbatim(sshd, tmp_path, args, name, text):
     node = node_for(sshd)
@@ -196,7 +198,7 @@ def test_changed_host_key_refused_by_cli(fresh_sshd, project, state_dir):
     status = subprocess.run([*GPUCTL, "ssh", "--", "true"], cwd=project, capture_output=True, text=True, timeout=60)
     assert status.returncode != 0  # OpenSSH with the generated config refuses too
     down = subprocess.run([*GPUCTL, "down"], cwd=project, capture_output=True, text=True, timeout=60)
-    assert "CHANGED" in down.stderr and "forget-host" in down.stderr
+    assert down.returncode == 0, down.stderr  # no run to stop: down needs no connection
     up = subprocess.run([*GPUCTL, "up"], cwd=project, capture_output=True, text=True, timeout=60)
     assert up.returncode != 0
     lines = up.stderr.strip().splitlines()
@@ -429,3 +431,24 @@ def test_ssh_command_for_local_cluster_is_refused(project, state_dir):
                                            nodes=[state.NodeRecord(host="localhost")]))
     with pytest.raises(ConfigError, match="no SSH"):
         sshconfig.ssh_argv("here", 0, [])
+
+
+def test_sftp_fast_paths_match_the_shell_versions(sshd, tmp_path):
+    from provision.remote import Node
+
+    node = node_for(sshd)
+    log = tmp_path / "job.log"
+    assert node.read_new(str(log), 0) == ("", 0) and node.last_line(str(log)) == ""
+    data = "one\ntwo é\nthree".encode()
+    log.write_bytes(data[:9])  # ends inside "é"
+    text, offset = node.read_new(str(log), 0)
+    assert text == "one\ntwo " and offset == 8  # waits for the rest of the character
+    log.write_bytes(data)
+    text, offset = node.read_new(str(log), offset)
+    assert text == "é\nthree" and offset == len(data)
+    assert node.read_new(str(log), offset) == ("", offset)
+    assert node.last_line(str(log)) == Node.last_line(node, str(log)) == "three"
+    log.write_text("{\"step\": 1}\n{\"step\": 2}\n")
+    assert node.last_line(str(log)).strip() == Node.last_line(node, str(log)).strip() == '{"step": 2}'
+    assert node.group_alive(os.getpgid(0)) and not node.group_alive(2**22 - 3)
+    assert node.read_text(str(tmp_path)) is None  # a folder: like `[ -f ] && cat`

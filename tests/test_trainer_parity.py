@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("deepspeed")
 sys.path.insert(0, str(Path(__file__).parent))
-import test_trainer_helpers as h  # noqa: E402
+import test_trainer_helpers as h
 
 STEPS = 3
 

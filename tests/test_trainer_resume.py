@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("deepspeed")
 sys.path.insert(0, str(Path(__file__).parent))
-import test_trainer_helpers as h  # noqa: E402
+import test_trainer_helpers as h
 
 WORLD, ACCUM, STEPS, AT = 2, 2, 6, 3
 
@@ -57,3 +57,30 @@ def test_resume_with_other_world_size_fails_clearly(tmp_path):
     assert len(errors) == 1, proc.stdout[-3000:]
     assert "saved by 3 ranks but this run has 1" in errors[0]
     assert h.summary(run)["state"] == "failed"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_checkpoints_upload_prune_and_resume_from_store(tmp_path):
+    pytest.importorskip("trainer.objstore")
+    from trainer.objstore import CheckpointStore
+
+    storage = {"url": (tmp_path / "store").as_uri(), "endpoint_url": None, "region": None, "profile": None, "keep": 3}
+    first = h.make_run_dir(tmp_path / "first", world=WORLD, grad_accum=ACCUM, max_steps=STEPS, checkpoint_every=2,
+                           keep_local=1, storage=storage)
+    proc = h.launch(first, WORLD)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    store = CheckpointStore.from_config(storage)
+    assert store.latest().tag == f"step{STEPS}" and store.latest().world_size == WORLD
+    assert sorted(i.tag for i in store.list() if i.complete) == ["step2", "step4", "step6"]
+    assert sorted(p.name for p in (first / "checkpoints").iterdir() if p.is_dir()) == [f"step{STEPS}"]
+
+    second = h.make_run_dir(tmp_path / "second", world=WORLD, grad_accum=ACCUM, max_steps=STEPS, checkpoint_every=2,
+                            storage=storage, resume="step4")
+    proc = h.launch(second, WORLD)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "downloaded checkpoint step4" in proc.stdout
+    before, after = h.losses(first), h.losses(second)
+    assert sorted(after) == [5, 6]
+    for step, loss in after.items():
+        assert loss == pytest.approx(before[step], abs=1e-6), (step, after, before)

@@ -20,10 +20,11 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_run_config(run_json)
         env = DistEnv.from_env(cfg.num_nodes)
-        from trainer import loop  # heavy imports (torch, deepspeed) only once the config is sound
+        # heavy imports (torch, deepspeed) only once the config is sound
+        from trainer import loop
 
         summary = loop.train(cfg, env)
-        loop.write_final(cfg, env, summary)
+        loop.finish(cfg, env, summary)
         return 0
     except TrainerError as exc:
         if env.is_main or not exc.everywhere:

@@ -2,18 +2,18 @@
 
 A checkpoint is DeepSpeed's save dir checkpoints/step<N>/ (per-rank ZeRO shards) plus
 trainer_state.json, written next to the shards by each node's local rank 0:
-{"step", "samples_seen", "data_seed", "world_size", "train_batch_size"}. The same values go
-into DeepSpeed's client_state; the side file lets resume check the world size before
-DeepSpeed loads anything.
+{"step", "samples_seen", "data_seed", "world_size", "train_batch_size", "model", "tokenizer",
+"seq_len"}. The same values go into DeepSpeed's client_state; the side file lets resume check
+the world size before DeepSpeed loads anything, and trainer.export rebuild the model.
 """
 from __future__ import annotations
 
 import json
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch.distributed as dist
 
@@ -36,7 +36,8 @@ def open_store(cfg: RunConfig, log: Callable[[str], None]):
     """The object store from run.json's storage block, or None when there is none."""
     if not cfg.storage or not cfg.storage.get("url"):
         return None
-    from trainer.objstore import CheckpointStore  # light: no torch; boto3 only for s3://
+    # light: no torch; boto3 only for s3://
+    from trainer.objstore import CheckpointStore
 
     try:
         return CheckpointStore.from_config(cfg.storage, log=log)
@@ -60,7 +61,10 @@ class Checkpointer:
     def save(self, pos: Position, train_batch_size: int) -> str:
         tag = f"step{pos.step}"
         state = {"step": pos.step, "samples_seen": pos.samples_seen, "data_seed": self.cfg.train.seed,
-                 "world_size": self.env.world_size, "train_batch_size": train_batch_size}
+                 "world_size": self.env.world_size, "train_batch_size": train_batch_size,
+                 # what trainer.export rebuilds the model from
+                 "model": self.cfg.train.model, "tokenizer": self.cfg.train.tokenizer,
+                 "seq_len": self.cfg.train.seq_len}
         self.engine.save_checkpoint(str(self.dir), tag=tag, client_state=state)
         if self.env.is_local_main:
             (self.dir / tag / STATE_FILE).write_text(json.dumps(state) + "\n")
@@ -140,9 +144,13 @@ def fetch_from_store(cfg: RunConfig, env: DistEnv, store, log) -> tuple[Path, st
     error = None
     if env.is_local_main:
         try:
-            info = store.download(None if cfg.resume == "latest" else cfg.resume, dest)
-            log(f"downloaded checkpoint {info.tag} (step {info.step}) from {store.url}")
-        except StorageError as exc:
+            wanted = store.latest() if cfg.resume == "latest" else store.info(cfg.resume)
+            if wanted is not None and wanted.world_size != env.world_size:  # before fetching gigabytes
+                error = world_size_message(wanted.tag, wanted.world_size, env.world_size)
+            else:
+                info = store.download(None if cfg.resume == "latest" else cfg.resume, dest)
+                log(f"downloaded checkpoint {info.tag} (step {info.step}) from {store.url}")
+        except (StorageError, ValueError) as exc:  # ValueError: not a valid tag name
             error = f"cannot fetch checkpoint {cfg.resume!r}: {exc}"
     failed = _any_failed(error is not None)
     if failed:
@@ -153,10 +161,10 @@ def fetch_from_store(cfg: RunConfig, env: DistEnv, store, log) -> tuple[Path, st
 def _any_failed(flag: bool) -> bool:
     """All ranks learn whether any rank failed (also serves as the barrier)."""
     import torch
+    from deepspeed.accelerator import get_accelerator
 
-    t = torch.tensor([1.0 if flag else 0.0])
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
+    device = "cpu" if dist.get_backend() == "gloo" else get_accelerator().current_device_name()
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(t)
     return t.item() > 0
 
@@ -170,6 +178,9 @@ def check_compatible(tag_dir: Path, env: DistEnv) -> None:
     else:  # a save dir not written by this trainer: count the ZeRO optimizer shards
         saved = len(list(tag_dir.glob("*zero_pp_rank_*optim_states.pt"))) or env.world_size
     if saved != env.world_size:
-        raise TrainerError(f"checkpoint {tag_dir.name} was saved by {saved} ranks but this run has "
-                           f"{env.world_size}; resume needs the same world size (or export the weights "
-                           "with zero_to_fp32 and start a new run from them)")
+        raise TrainerError(world_size_message(tag_dir.name, saved, env.world_size))
+
+
+def world_size_message(tag: str, saved: int, world: int) -> str:
+    return (f"checkpoint {tag} was saved by {saved} ranks but this run has {world}; resume needs the "
+            "same world size (or export the weights with zero_to_fp32 and start a new run from them)")

@@ -158,7 +158,7 @@ class DistEnv:
         return self.local_rank == 0
 
     @classmethod
-    def from_env(cls, num_nodes: int = 1) -> "DistEnv":
+    def from_env(cls, num_nodes: int = 1) -> DistEnv:
         env = os.environ
         rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
         local_rank = int(env.get("LOCAL_RANK", "0"))

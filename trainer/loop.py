@@ -1,12 +1,14 @@
 """The training loop: set up, then steps of grad_accum micro-steps, logging and checkpoints.
 
-Read it top to bottom: train() builds everything, train_step() is one optimizer step.
-DeepSpeed owns the optimizer, LR scheduler, precision and ZeRO (all from ds_config).
+Read it top to bottom: train() is the whole run, setup() builds the pieces, train_step() is
+one optimizer step. DeepSpeed owns the optimizer, LR scheduler, precision and ZeRO (all
+from ds_config); this file owns the data order, the loss and the bookkeeping.
 """
 from __future__ import annotations
 
 import json
 import time
+import warnings
 from dataclasses import dataclass
 
 import deepspeed
@@ -17,15 +19,146 @@ from deepspeed.accelerator import get_accelerator
 
 from trainer.checkpoint import Checkpointer, Position, open_store, resume
 from trainer.config import DistEnv, RunConfig, TrainerError
-from trainer.dataset import PackedTokens, Sampler, cache_path, micro_slice, resolve_data, tokenize_to_file
-from trainer.metrics import MetricsLog, StepRecord, peak_tflops, throughput, write_summary
+from trainer.dataset import (
+    PackedTokens,
+    Sampler,
+    cache_path,
+    micro_slice,
+    resolve_data,
+    tokenize_to_file,
+)
+from trainer.metrics import (
+    MetricsLog,
+    StepRecord,
+    peak_tflops,
+    throughput,
+    write_summary,
+)
 from trainer.model import build_model, count_params
 from trainer.tokenizer import load_tokenizer
 
+# DeepSpeed's ZeRO calls a torch API that torch 2.13 deprecates: one line per rank per run, no action.
+warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*", category=FutureWarning)
 
-def log0(env: DistEnv, message: str) -> None:
-    if env.is_main:
-        print(f"trainer: {message}", flush=True)
+
+@dataclass
+class Batching:
+    """The batch geometry DeepSpeed runs with (ds_config is the authority)."""
+
+    micro_batch: int
+    grad_accum: int
+    world_size: int
+    seq_len: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.grad_accum * self.world_size
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+
+@dataclass
+class Session:
+    """Everything a run needs, built once by setup()."""
+
+    cfg: RunConfig
+    env: DistEnv
+    engine: deepspeed.DeepSpeedEngine
+    data: PackedTokens
+    geo: Batching
+    params: int
+    precision: str
+    peak_tflops: float | None  # None on CPU / unknown GPUs: no MFU
+
+    def say(self, message: str) -> None:
+        if self.env.is_main:
+            print(f"trainer: {message}", flush=True)
+
+
+@dataclass
+class RunStats:
+    """Rank 0's running totals for summary.json."""
+
+    first_loss: float | None = None
+    final_loss: float | None = None
+    timed_tokens: int = 0  # tokens of the steps after this process's first (warm-up) step
+    timed_seconds: float = 0.0
+    all_tokens: int = 0  # every step, for runs of a single step
+    all_seconds: float = 0.0
+    peak_mem_gb: list[float] | None = None
+
+
+def train(cfg: RunConfig, env: DistEnv) -> dict:
+    """The whole run on this rank; returns summary.json's content."""
+    run = setup(cfg, env)
+    store = open_store(cfg, run.say)
+    pos = resume(run.engine, cfg, env, store, run.say)
+    sampler = Sampler(run.data.num_samples, cfg.train.seed)
+    ckpt = Checkpointer(run.engine, cfg, env, store, run.say)
+    metrics = MetricsLog(cfg.run_dir, cfg.train.max_steps) if env.is_main else None
+    stats, start_step = RunStats(), pos.step
+
+    run.engine.train()
+    while pos.step < cfg.train.max_steps:
+        lr = run.engine.get_lr()[0]
+        started = time.perf_counter()
+        loss_sum = train_step(run, sampler, pos)
+        pos = Position(pos.step + 1, pos.samples_seen + run.geo.global_batch)
+        log_now = pos.step % cfg.train.log_every == 0 or pos.step in (start_step + 1, cfg.train.max_steps)
+        loss, mem = gather_stats(loss_sum, run.geo) if log_now else (None, None)
+        if loss_sum.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        stats.all_tokens, stats.all_seconds = stats.all_tokens + run.geo.tokens_per_step, stats.all_seconds + seconds
+        if pos.step > start_step + 1:
+            stats.timed_tokens += run.geo.tokens_per_step
+            stats.timed_seconds += seconds
+        if metrics is not None and log_now:
+            record_step(run, metrics, stats, pos, lr, loss, mem, seconds)
+        if checkpoint_due(cfg, pos.step):
+            ckpt.save(pos, run.geo.global_batch)
+    ckpt.finish()
+    return summarize(run, stats, pos, start_step, ckpt.last_tag)
+
+
+def setup(cfg: RunConfig, env: DistEnv) -> Session:
+    precision = ds_precision(json.loads((cfg.run_dir / cfg.ds_config).read_text()))
+    start_distributed(env, precision)
+    say = (lambda m: print(f"trainer: {m}", flush=True)) if env.is_main else (lambda _m: None)
+    for warning in cfg.warnings:
+        say(f"warning: {warning}")
+    if precision != cfg.train.precision:
+        say(f"warning: run.json precision {cfg.train.precision} but ds_config runs {precision}; using {precision}")
+
+    tokenizer = load_tokenizer(cfg.train)
+    data = load_data(cfg, env, tokenizer)
+    model = build_model(cfg.train, precision, tokenizer)
+    params = count_params(model)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                      config=str(cfg.run_dir / cfg.ds_config))
+    geo = Batching(engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
+                   env.world_size, cfg.train.seq_len)
+    if (geo.micro_batch, geo.grad_accum) != (cfg.train.micro_batch, cfg.train.grad_accum):
+        say(f"warning: ds_config runs micro_batch {geo.micro_batch} x grad_accum {geo.grad_accum}, "
+            f"run.json says {cfg.train.micro_batch} x {cfg.train.grad_accum}; following ds_config")
+    gpu_name = torch.cuda.get_device_name() if get_accelerator().device_name() == "cuda" else None
+    say(f"model {cfg.train.model}: {params / 1e6:.2f}M params, {precision}, vocab {len(tokenizer)}; "
+        f"data {data.num_samples} samples of {cfg.train.seq_len} tokens; world {env.world_size}, "
+        f"global batch {geo.global_batch} ({geo.tokens_per_step} tokens/step)" + (f"; {gpu_name}" if gpu_name else ""))
+    return Session(cfg, env, engine, data, geo, params, precision, peak_tflops(gpu_name))
+
+
+def start_distributed(env: DistEnv, precision: str) -> None:
+    """Join the process group: gloo for CPU ranks, the accelerator's backend (NCCL) otherwise."""
+    accel = get_accelerator()
+    if precision == "fp16" and accel.device_name() == "cpu" and not accel.is_fp16_supported():
+        raise TrainerError("fp16 is not supported by DeepSpeed on this CPU (no AVX512-FP16/AMX-FP16); "
+                           "use precision bf16 or fp32 for CPU runs")
+    if accel.device_name() != "cpu":
+        accel.set_device(env.local_rank)  # before the first collective (the data barrier) under NCCL
+    deepspeed.init_distributed(dist_backend=dist_backend())
 
 
 def dist_backend() -> str:
@@ -51,42 +184,13 @@ def load_data(cfg: RunConfig, env: DistEnv, tokenizer) -> PackedTokens:
     return PackedTokens(token_file, len(tokenizer), cfg.train.seq_len)
 
 
-@dataclass
-class Batching:
-    """The batch geometry DeepSpeed runs with (ds_config is the authority)."""
-
-    micro_batch: int
-    grad_accum: int
-    world_size: int
-    seq_len: int
-
-    @property
-    def global_batch(self) -> int:
-        return self.micro_batch * self.grad_accum * self.world_size
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.global_batch * self.seq_len
-
-
-@dataclass
-class RunStats:
-    """Rank 0's running totals for summary.json."""
-
-    first_loss: float | None = None
-    final_loss: float | None = None
-    timed_tokens: int = 0  # tokens of the steps after this process's first (warm-up) step
-    timed_seconds: float = 0.0
-    peak_mem_gb: list[float] | None = None
-
-
-def train_step(engine, data: PackedTokens, sampler: Sampler, pos: Position, geo: Batching,
-               env: DistEnv) -> torch.Tensor:
+def train_step(run: Session, sampler: Sampler, pos: Position) -> torch.Tensor:
     """One optimizer step over the global batch at pos; returns this rank's summed micro losses."""
+    engine, geo, env = run.engine, run.geo, run.env
     batch = sampler.global_batch(pos.samples_seen, geo.global_batch)
     loss_sum = torch.zeros((), device=engine.device)
     for micro in range(geo.grad_accum):
-        inputs, targets = data.batch(micro_slice(batch, env.rank, micro, env.world_size, geo.micro_batch))
+        inputs, targets = run.data.batch(micro_slice(batch, env.rank, micro, env.world_size, geo.micro_batch))
         inputs, targets = inputs.to(engine.device), targets.to(engine.device)
         logits = engine(input_ids=inputs).logits
         loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
@@ -107,83 +211,40 @@ def gather_stats(loss_sum: torch.Tensor, geo: Batching) -> tuple[float, list[flo
     return loss, ([round(t[1].item(), 3) for t in every] if on_gpu else None)
 
 
-def train(cfg: RunConfig, env: DistEnv) -> dict:
-    say = lambda m: log0(env, m)  # noqa: E731
-    for warning in cfg.warnings:
-        say(f"warning: {warning}")
-    ds_config = json.loads((cfg.run_dir / cfg.ds_config).read_text())
-    precision = ds_precision(ds_config)
-    if precision != cfg.train.precision:
-        say(f"warning: run.json precision {cfg.train.precision} but ds_config runs {precision}; using {precision}")
-    deepspeed.init_distributed(dist_backend=dist_backend())
-
-    tokenizer = load_tokenizer(cfg.train)
-    data = load_data(cfg, env, tokenizer)
-    model = build_model(cfg.train, precision, tokenizer)
-    params = count_params(model)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                      config=str(cfg.run_dir / cfg.ds_config))
-    geo = Batching(engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
-                   env.world_size, cfg.train.seq_len)
-    if (geo.micro_batch, geo.grad_accum) != (cfg.train.micro_batch, cfg.train.grad_accum):
-        say(f"warning: ds_config runs micro_batch {geo.micro_batch} x grad_accum {geo.grad_accum}, "
-            f"run.json says {cfg.train.micro_batch} x {cfg.train.grad_accum}; following ds_config")
-    say(f"model {cfg.train.model}: {params / 1e6:.2f}M params, {precision}, vocab {len(tokenizer)}; "
-        f"data {data.num_samples} samples of {cfg.train.seq_len} tokens; world {env.world_size}, "
-        f"global batch {geo.global_batch} ({geo.tokens_per_step} tokens/step)")
-
-    store = open_store(cfg, say if env.is_main else (lambda m: None))
-    pos = resume(engine, cfg, env, store, say)
-    sampler = Sampler(data.num_samples, cfg.train.seed)
-    ckpt = Checkpointer(engine, cfg, env, store, say)
-    metrics = MetricsLog(cfg.run_dir, cfg.train.max_steps) if env.is_main else None
-    device_name = get_accelerator().device_name()
-    peak = peak_tflops(torch.cuda.get_device_name() if device_name == "cuda" else None)
-    stats, start_step = RunStats(), pos.step
-
-    engine.train()
-    while pos.step < cfg.train.max_steps:
-        lr = engine.get_lr()[0]
-        started = time.perf_counter()
-        loss_sum = train_step(engine, data, sampler, pos, geo, env)
-        pos = Position(pos.step + 1, pos.samples_seen + geo.global_batch)
-        log_now = pos.step % cfg.train.log_every == 0 or pos.step in (start_step + 1, cfg.train.max_steps)
-        loss, mem = gather_stats(loss_sum, geo) if log_now else (None, None)
-        if device_name == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - started
-        if pos.step > start_step + 1:
-            stats.timed_tokens += geo.tokens_per_step
-            stats.timed_seconds += seconds
-        if log_now and metrics is not None:
-            rate = throughput(geo.tokens_per_step, seconds, params, env.world_size, peak)
-            record = StepRecord(step=pos.step, loss=loss, lr=lr, tokens=pos.samples_seen * geo.seq_len,
-                                tokens_per_s=round(rate.tokens_per_s, 1), step_time_s=round(seconds, 4),
-                                tflops_per_gpu=round(rate.tflops_per_gpu, 4), mfu=rate.mfu, peak_mem_gb=mem,
-                                skipped=precision == "fp16" and not engine.was_step_applied())
-            metrics.write(record)
-            stats.first_loss = loss if stats.first_loss is None else stats.first_loss
-            stats.final_loss, stats.peak_mem_gb = loss, mem
-        every = cfg.train.checkpoint_every
-        if (every and pos.step % every == 0) or pos.step == cfg.train.max_steps:
-            ckpt.save(pos, geo.global_batch)
-    ckpt.finish()
-    return summarize(stats, pos, start_step, geo, params, peak, ckpt.last_tag, cfg)
+def record_step(run: Session, metrics: MetricsLog, stats: RunStats, pos: Position, lr: float, loss: float,
+                mem: list[float] | None, seconds: float) -> None:
+    rate = throughput(run.geo.tokens_per_step, seconds, run.params, run.env.world_size, run.peak_tflops)
+    metrics.write(StepRecord(step=pos.step, loss=loss, lr=lr, tokens=pos.samples_seen * run.geo.seq_len,
+                             tokens_per_s=round(rate.tokens_per_s, 1), step_time_s=round(seconds, 4),
+                             tflops_per_gpu=round(rate.tflops_per_gpu, 4), mfu=rate.mfu, peak_mem_gb=mem,
+                             skipped=run.precision == "fp16" and not run.engine.was_step_applied()))
+    stats.first_loss = loss if stats.first_loss is None else stats.first_loss
+    stats.final_loss, stats.peak_mem_gb = loss, mem
 
 
-def summarize(stats: RunStats, pos: Position, start_step: int, geo: Batching, params: int,
-              peak: float | None, last_tag: str | None, cfg: RunConfig) -> dict:
-    rate = throughput(stats.timed_tokens, stats.timed_seconds, params, geo.world_size, peak)
-    return {"state": "succeeded", "run_id": cfg.run_id, "steps": pos.step, "start_step": start_step,
+def checkpoint_due(cfg: RunConfig, step: int) -> bool:
+    every = cfg.train.checkpoint_every
+    return (every > 0 and step % every == 0) or step == cfg.train.max_steps
+
+
+def summarize(run: Session, stats: RunStats, pos: Position, start_step: int, last_tag: str | None) -> dict:
+    tokens, seconds = (stats.timed_tokens, stats.timed_seconds) if stats.timed_seconds else \
+        (stats.all_tokens, stats.all_seconds)
+    rate = throughput(tokens, seconds, run.params, run.env.world_size, run.peak_tflops)
+    return {"state": "succeeded", "run_id": run.cfg.run_id, "steps": pos.step, "start_step": start_step,
             "first_loss": stats.first_loss, "final_loss": stats.final_loss,
             "tokens_per_s": round(rate.tokens_per_s, 1), "tflops_per_gpu": round(rate.tflops_per_gpu, 4),
-            "mfu": rate.mfu, "peak_mem_gb": stats.peak_mem_gb, "world_size": geo.world_size,
-            "global_batch": geo.global_batch, "seq_len": geo.seq_len, "params": params,
-            "last_checkpoint": last_tag}
+            "mfu": rate.mfu, "peak_mem_gb": stats.peak_mem_gb, "world_size": run.env.world_size,
+            "global_batch": run.geo.global_batch, "seq_len": run.geo.seq_len, "params": run.params,
+            "precision": run.precision, "last_checkpoint": last_tag}
 
 
-def write_final(cfg: RunConfig, env: DistEnv, summary: dict) -> None:
+def finish(cfg: RunConfig, env: DistEnv, summary: dict) -> None:
+    """Rank 0 writes summary.json (after the final upload sync); then leave the process group."""
     if env.is_main:
         write_summary(cfg.run_dir, summary)
-        print(f"trainer: done: {summary['steps']} steps, loss {summary['first_loss']} -> "
-              f"{summary['final_loss']}, {summary['tokens_per_s']} tok/s", flush=True)
+        losses = " -> ".join(f"{v:.4f}" for v in (summary["first_loss"], summary["final_loss"]) if v is not None)
+        print(f"trainer: done: step {summary['steps']}, loss {losses or 'n/a'}, "
+              f"{summary['tokens_per_s']} tok/s", flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()

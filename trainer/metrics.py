@@ -19,8 +19,8 @@ PEAK_TFLOPS: list[tuple[str, float, str]] = [
     (r"H100.*PCIe", 756.0, "NVIDIA H100 datasheet: H100 PCIe BF16/FP16 1,513 with sparsity -> 756 dense"),
     (r"H100", 989.0, "NVIDIA H100 datasheet: H100 SXM BF16/FP16 1,979 with sparsity -> 989 dense"),
     (r"A100", 312.0, "NVIDIA A100 datasheet: BF16/FP16 tensor 312 TFLOPS dense"),
-    (r"RTX 4090", 165.2, "NVIDIA Ada Lovelace architecture whitepaper: RTX 4090 FP16/BF16 tensor, "
-                         "FP32 accumulate, 165.2 TFLOPS dense"),
+    (r"RTX 4090", 165.2, ("NVIDIA Ada Lovelace architecture whitepaper: RTX 4090 FP16/BF16 tensor, "
+                          "FP32 accumulate, 165.2 TFLOPS dense")),
     (r"A10G", 125.0, "AWS G5 / NVIDIA A10 datasheet: BF16/FP16 tensor 125 TFLOPS dense"),
     (r"\bL4\b", 121.0, "NVIDIA L4 datasheet: BF16/FP16 tensor 242 TFLOPS with sparsity -> 121 dense"),
 ]

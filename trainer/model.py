@@ -11,9 +11,9 @@ from trainer.config import TrainConfig, TrainerError
 # DeepSeek-7B (deepseek-ai/deepseek-llm-7b-base) scaled down: same architecture (Llama: RoPE,
 # RMSNorm, SwiGLU, untied embeddings, no biases, no dropout) and the same FFN ratio
 # 11008 / 4096 = 2.6875, so 128 * 2.6875 = 344.
-TINY_SHAPE = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=10000.0, hidden_act="silu",
-                  tie_word_embeddings=False, attention_bias=False, attention_dropout=0.0, mlp_bias=False)
+TINY_SHAPE = {"hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 4, "num_attention_heads": 4,
+              "num_key_value_heads": 4, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu",
+              "tie_word_embeddings": False, "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False}
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -40,8 +40,8 @@ def pretrained_model(source: str, dtype: torch.dtype) -> torch.nn.Module:
 
 def build_model(train: TrainConfig, precision: str, tokenizer) -> torch.nn.Module:
     if train.model == "tiny":
-        special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                       pad_token_id=tokenizer.pad_token_id)
+        special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+                   "pad_token_id": tokenizer.pad_token_id}
         model = tiny_model(len(tokenizer), train.seq_len, train.seed, special)
     else:
         model = pretrained_model(train.model, DTYPES[precision])

@@ -114,9 +114,6 @@ def _tags(cluster: str, extra: dict | None = None) -> list[dict]:
 class AWSBackend(CloudBackend):
     kind = "aws"
 
-    def record_extra(self, prov: AWSProvider) -> dict:
-        return {"region": prov.region}
-
     def client(self, cluster: ClusterRecord):
         return ec2(cluster.region, cluster.api_url)
 
@@ -175,19 +172,19 @@ class AWSBackend(CloudBackend):
         if not images:
             raise NoOfferError(f"no AMI named {prov.ami_name!r} owned by {prov.ami_owner} in {prov.region}",
                                "set provider.ami_name / ami_owner, or ami_id")
-        newest = max(images, key=lambda i: i.get("CreationDate", ""))
+        newest = max(images, key=lambda i: (i.get("CreationDate", ""), i.get("Name", "")))  # names carry dates
         return newest["ImageId"], newest.get("RootDeviceName") or "/dev/sda1"
 
-    def launch(self, prov: AWSProvider, cluster: ClusterRecord, index: int, offer: Offer,
+    def launch(self, prov: AWSProvider, cluster: ClusterRecord, label: str, offer: Offer,
                public_key: str) -> str:
         client = self.client(cluster)
         image_id, root = self._ami(client, prov)
         name = f"gpuctl-{cluster.name}"
-        tags = _tags(cluster.name, {USER_TAG: prov.ssh_user})
+        tags = _tags(cluster.name, {USER_TAG: prov.ssh_user, "Name": label})
         args = dict(ImageId=image_id, InstanceType=offer.id, MinCount=1, MaxCount=1,
                     KeyName=prov.key_name or name, SecurityGroupIds=[self._group_id(client, name)],
                     InstanceInitiatedShutdownBehavior="terminate",
-                    ClientToken=f"{name}-{index}-{int(cluster.created_at)}"[:64],
+                    ClientToken=label[:64],  # botocore's retries of this call create one instance
                     BlockDeviceMappings=[{"DeviceName": root, "Ebs": {"VolumeSize": int(prov.disk_gb),
                                                                      "VolumeType": "gp3", "DeleteOnTermination": True}}],
                     TagSpecifications=[{"ResourceType": "instance", "Tags": tags},

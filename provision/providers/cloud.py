@@ -13,6 +13,7 @@ state dir in keys/<cluster>/), which is also the node-to-node key of a multi-nod
 
 from __future__ import annotations
 
+import secrets
 import shutil
 import signal
 import threading
@@ -20,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from provision import mesh, state
+from provision import mesh, runtime, state
 from provision.config import CloudProvider, check_batch
 from provision.errors import GpuctlError, NoOfferError, ProviderError
 from provision.providers.base import SelfTeardown, UpOptions
@@ -125,9 +126,9 @@ class CloudBackend:
     def filters_text(self, prov: CloudProvider) -> str:
         raise NotImplementedError
 
-    def launch(self, prov: CloudProvider, cluster: ClusterRecord, index: int, offer: Offer,
+    def launch(self, prov: CloudProvider, cluster: ClusterRecord, label: str, offer: Offer,
                public_key: str) -> str:
-        """Create one instance; returns its id as soon as the vendor gave one."""
+        """Create one instance named `label` (unique to this attempt); returns its id."""
         raise NotImplementedError
 
     def describe(self, cluster: ClusterRecord, instance_id: str) -> Instance | None:
@@ -155,9 +156,6 @@ class CloudBackend:
     def release(self, cluster: ClusterRecord, say: Callable[[str], None]) -> None:
         """Remove what prepare() made, once the instances are gone."""
 
-    def record_extra(self, prov: CloudProvider) -> dict:
-        return {}
-
     # the ProviderBackend interface -------------------------------------------------------------
     def up(self, cfg, opts: UpOptions) -> ClusterRecord | None:
         prov = cfg.provider
@@ -180,15 +178,19 @@ class CloudBackend:
         if not opts.confirm(f"create {len(picks)} {self.kind} node(s) at ${price:.3f}/h?"):
             raise GpuctlError("not confirmed: nothing was created", "rerun `gpuctl up` and answer y, or pass --yes")
         _private, public_key = mesh.cluster_keypair(cfg.cluster_name)
+        mode = runtime.resolve(prov.runtime, self.kind, image=prov.image)  # vast/runpod: image; aws: docker
         record = ClusterRecord(name=cfg.cluster_name, provider=self.kind, nodes=[], price_per_hour=price,
-                               image=prov.image, runtime="image", python=prov.python, api_url=prov.api_url,
+                               image=prov.image, runtime=mode, api_url=prov.api_url,
+                               python=runtime.IMAGE_PYTHON if mode == "docker" else prov.python,
                                identity_file=str(mesh.key_dir(cfg.cluster_name) / "id_ed25519"),
-                               budget_hours=cap, **self.record_extra(prov))
+                               budget_hours=cap, region=getattr(prov, "region", None))
         created: list[str] = []
+        attempt = secrets.token_hex(3)  # in every label: a failed create is found by it, nothing else
+        labels = [f"gpuctl-{record.name}-{i}-{attempt}" for i in range(len(picks))]
         try:
             self.prepare(prov, record, public_key)
             for i, offer in enumerate(picks):
-                instance_id = self.launch(prov, record, i, offer, public_key)
+                instance_id = self.launch(prov, record, labels[i], offer, public_key)
                 created.append(instance_id)
                 record.nodes.append(NodeRecord(host=f"node{i}", address="", instance_id=instance_id,
                                                slots=offer.num_gpus, accelerator="cuda", gpu_name=offer.gpu_name))
@@ -201,7 +203,7 @@ class CloudBackend:
             if len(record.nodes) > 1:  # DeepSpeed's pdsh launcher: node-to-node SSH
                 mesh.setup(record, self.nodes(record), say=opts.say)
         except BaseException as exc:  # Ctrl-C included: leave nothing behind
-            self._abort(record, created, opts.say, exc)
+            self._abort(record, created, labels, opts.say, exc)
             raise
         return record
 
@@ -292,14 +294,16 @@ class CloudBackend:
             raise ProviderError(f"{self.kind} instance {node.instance_id} shows no GPU (nvidia-smi found none)",
                                 "pick another offer; set provider.cpu_ranks_fallback only for CPU test stand-ins")
 
-    def _abort(self, cluster: ClusterRecord, created: list[str], say: Callable[[str], None],
-               exc: BaseException) -> None:
-        """Terminate what this attempt created. A second Ctrl-C cannot cut this short."""
+    def _abort(self, cluster: ClusterRecord, created: list[str], labels: list[str],
+               say: Callable[[str], None], exc: BaseException) -> None:
+        """Terminate what this attempt created, including an instance whose create call failed
+        after the vendor acted (found by this attempt's labels). A second Ctrl-C cannot cut this short."""
         why = "interrupted" if isinstance(exc, KeyboardInterrupt) else "up failed"
         restore = None
         if threading.current_thread() is threading.main_thread():
             restore = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
+            created = created + self._stray(cluster, labels, created, say)
             if created:
                 say(f"{why}: terminating the {len(created)} instance(s) this attempt created")
             left = []
@@ -311,7 +315,8 @@ class CloudBackend:
                     say(f"could not terminate {self.kind} instance {instance_id}: {err.one_line()}")
             if not left:
                 try:
-                    self.wait_gone(cluster, created, timeout_s=120)
+                    if created:
+                        self.wait_gone(cluster, created, timeout_s=120)
                     self.release(cluster, say)
                 except GpuctlError as err:
                     left = created
@@ -324,6 +329,16 @@ class CloudBackend:
         finally:
             if restore is not None:
                 signal.signal(signal.SIGINT, restore)
+
+    def _stray(self, cluster: ClusterRecord, labels: list[str], created: list[str],
+               say: Callable[[str], None]) -> list[str]:
+        """Instances that carry this attempt's labels but were never recorded (a lost create answer)."""
+        try:
+            return [i.id for i in self.list_instances(cluster) if i.label in labels and i.id not in created]
+        except GpuctlError as err:
+            say(f"warning: could not check {self.kind} for a half-created instance ({err.one_line()}); "
+                f"look for labels gpuctl-{cluster.name}-* in the {self.kind} console")
+            return []
 
     def _forget(self, cluster: ClusterRecord) -> None:
         """Cloud addresses are reused: drop the nodes' pinned host keys and the cluster key."""

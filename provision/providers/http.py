@@ -47,6 +47,10 @@ class _Transient(Exception):
         self.retry_after = retry_after
 
 
+class _RateLimited(_Transient):
+    """HTTP 429: the server did nothing; always safe to retry."""
+
+
 def redact(text: str, secret: str | None) -> str:
     if secret and len(secret) >= 4:
         text = text.replace(secret, "***")
@@ -84,19 +88,23 @@ class JsonApi:
         """The key itself, for the node's self-teardown env (secrets.env); never print it."""
         return self._key
 
-    def request(self, method: str, path: str, body: Any = None) -> Any:
+    def request(self, method: str, path: str, body: Any = None, *, idempotent: bool = True) -> Any:
+        """idempotent=False (a create): only a 429 is retried. After a 5xx or a lost connection
+        the server may have acted, and a retry could create a second, untracked instance."""
         policy = self.retry
+        retryable = _Transient if idempotent else _RateLimited
         retrying = Retrying(stop=stop_after_attempt(policy.attempts), wait=self._wait,
-                            retry=retry_if_exception_type(_Transient), reraise=True)
+                            retry=retry_if_exception_type(retryable), reraise=True)
         try:
             for attempt in retrying:
                 with attempt:
                     return self._once(method, path, body)
         except _Transient as exc:
+            tries = retrying.statistics.get("attempt_number", 1)
             raise ProviderError(
                 f"{self.vendor} API kept failing on {method} {path or '/'}: {redact(exc.detail, self._key)} "
-                f"({policy.attempts} tries)", f"wait a few minutes and retry; the {self.vendor} API is "
-                "rate-limiting or down") from None
+                f"({tries} {'try' if tries == 1 else 'tries'})", f"wait a few minutes and retry; the "
+                f"{self.vendor} API is rate-limiting or down") from None
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _wait(self, state: RetryCallState) -> float:
@@ -131,7 +139,9 @@ class JsonApi:
         if code in (401, 403):
             raise AuthError(f"{self.vendor} rejected the API key from {self.key_source} (HTTP {code})",
                             f"check the key in {self.key_source} (a valid key with read/write access)")
-        if code == 429 or code >= 500:
+        if code == 429:
+            raise _RateLimited(f"HTTP 429{': ' + detail if detail else ''}", _retry_after(err))
+        if code >= 500:
             raise _Transient(f"HTTP {code}{': ' + detail if detail else ''}", _retry_after(err))
         if code == 404:
             raise ApiNotFound(f"{self.vendor}: {method} {path}: not found{': ' + detail if detail else ''}")

@@ -63,8 +63,8 @@ def api(api_url: str | None) -> JsonApi:
     return JsonApi("RunPod", api_url or API_URL, key, source)
 
 
-def gql(client: JsonApi, query: str, variables: dict | None = None) -> dict:
-    answer = client.request("POST", "", {"query": query, "variables": variables or {}}) or {}
+def gql(client: JsonApi, query: str, variables: dict | None = None, *, idempotent: bool = True) -> dict:
+    answer = client.request("POST", "", {"query": query, "variables": variables or {}}, idempotent=idempotent) or {}
     errors = answer.get("errors") if isinstance(answer, dict) else None
     if errors:
         text = "; ".join(str(e.get("message", e)) if isinstance(e, dict) else str(e) for e in errors)[:300]
@@ -117,18 +117,21 @@ class RunPodBackend(CloudBackend):
                                     f"{price.get('stockStatus') or '?'}", spot=prov.interruptible))
         return sorted(offers, key=lambda o: o.price_per_hour)
 
-    def launch(self, prov: RunPodProvider, cluster: ClusterRecord, index: int, offer: Offer,
+    def launch(self, prov: RunPodProvider, cluster: ClusterRecord, label: str, offer: Offer,
                public_key: str) -> str:
-        pod = {"name": f"gpuctl-{cluster.name}-{index}", "imageName": prov.image, "gpuTypeId": prov.gpu,
+        pod = {"name": label, "imageName": prov.image, "gpuTypeId": prov.gpu,
                "gpuCount": prov.gpus_per_node, "cloudType": offer.id, "containerDiskInGb": int(prov.disk_gb),
                "volumeInGb": 0, "minMemoryInGb": int(prov.min_ram_gb), "ports": "22/tcp",
                "supportPublicIp": True, "startSsh": True,
-               "env": [{"key": "PUBLIC_KEY", "value": public_key}, {"key": "GPUCTL_CLUSTER", "value": cluster.name}]}
+               # PUBLIC_KEY: RunPod's convention, read by its images and by gpuctl's entrypoint, which
+               # starts sshd with GPUCTL_SSHD=1 (images/entrypoint.sh).
+               "env": [{"key": "PUBLIC_KEY", "value": public_key}, {"key": "GPUCTL_SSHD", "value": "1"},
+                       {"key": "GPUCTL_CLUSTER", "value": cluster.name}]}
         if prov.interruptible:
             pod["bidPerGpu"] = round(offer.price_per_hour / prov.gpus_per_node, 4)
-            data = gql(api(cluster.api_url), DEPLOY_SPOT, {"input": pod}).get("podRentInterruptable")
+            data = gql(api(cluster.api_url), DEPLOY_SPOT, {"input": pod}, idempotent=False).get("podRentInterruptable")
         else:
-            data = gql(api(cluster.api_url), DEPLOY, {"input": pod}).get("podFindAndDeployOnDemand")
+            data = gql(api(cluster.api_url), DEPLOY, {"input": pod}, idempotent=False).get("podFindAndDeployOnDemand")
         if not data or not data.get("id"):
             raise NoOfferError("RunPod did not deploy a pod (no id returned)",
                                "retry later, or change provider.gpu / cloud_type")

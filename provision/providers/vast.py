@@ -101,12 +101,12 @@ class VastBackend(CloudBackend):
                                 "lower provider.nodes or relax the filters")
         return offers[:nodes]
 
-    def launch(self, prov: VastProvider, cluster: ClusterRecord, index: int, offer: Offer,
+    def launch(self, prov: VastProvider, cluster: ClusterRecord, label: str, offer: Offer,
                public_key: str) -> str:
         client = api(cluster.api_url)
-        body = {"image": prov.image, "disk": prov.disk_gb, "runtype": "ssh_direct",
-                "label": f"gpuctl-{cluster.name}-{index}", "env": {"GPUCTL_CLUSTER": cluster.name}}
-        answer = client.request("PUT", f"/asks/{offer.id}/", body) or {}
+        body = {"image": prov.image, "disk": prov.disk_gb, "runtype": "ssh_direct", "label": label,
+                "env": {"GPUCTL_CLUSTER": cluster.name}}
+        answer = client.request("PUT", f"/asks/{offer.id}/", body, idempotent=False) or {}
         if not answer.get("success") or not answer.get("new_contract"):
             raise ProviderError(f"Vast.ai did not rent offer {offer.id}: {answer.get('msg') or answer}",
                                 "the offer may be taken; retry `gpuctl up`")

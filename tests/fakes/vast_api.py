@@ -61,6 +61,8 @@ class FakeVast(FakeApi):
     deleted: list[int] = field(default_factory=list)
     created_bodies: list[dict] = field(default_factory=list)
     boot_polls: int = 2  # reads of an instance before it reports "running"
+    lose_create_answer: bool = False  # create the instance, then answer 502 (a lost response)
+    addresses: tuple[str, ...] = ("127.0.0.1",)  # instance n answers on addresses[n % len]: two "hosts"
 
     def __post_init__(self):
         super().__post_init__()
@@ -137,6 +139,8 @@ class FakeVast(FakeApi):
             "image_runtype": body.get("runtype", "ssh"), "extra_env": body.get("env", {}),
             "onstart": body.get("onstart"), "disk_space": body.get("disk", 8), "start_date": time.time(),
             "_reads": 0, "_keys": []}
+        if self.lose_create_answer:
+            raise ApiError(502, {"detail": "Bad Gateway"})
         return 200, {"success": True, "new_contract": instance_id}
 
     def _get(self, instance_id: int) -> dict:
@@ -156,7 +160,7 @@ class FakeVast(FakeApi):
             "extra_env": inst["extra_env"], "onstart": inst["onstart"], "machine_id": ask["machine_id"],
             "gpu_name": ask["gpu_name"], "num_gpus": ask["num_gpus"], "cpu_ram": ask["cpu_ram"],
             "disk_space": inst["disk_space"], "dph_total": ask["dph_total"], "start_date": inst["start_date"],
-            "public_ipaddr": self.ssh.address if running else None,
+            "public_ipaddr": self.addresses[(inst["id"] - 7_000_001) % len(self.addresses)] if running else None,
             "ports": {"22/tcp": [{"HostIp": "0.0.0.0", "HostPort": str(self.ssh.port)}]} if running else {},
             "ssh_host": "ssh5.fake.vast.ai", "ssh_port": 20000 + inst["id"] % 10000,
             "direct_port_count": ask["direct_port_count"],

@@ -1,0 +1,145 @@
+"""Provider runpod against a fake RunPod GraphQL API whose pods are the loopback test sshd."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from provision.config import RunPodProvider, load_config
+from provision.errors import NoOfferError
+from provision.providers import cloud, runpod
+from provision.providers.base import UpOptions
+from tests.fakes.harness import assert_secret_absent, gpuctl, node_fields, ssh_target, wait_until, write_config
+from tests.fakes.runpod_api import FakeRunPod
+from tests.sshd import sshd  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture
+def fake(sshd, monkeypatch):  # noqa: F811
+    with FakeRunPod(ssh=ssh_target(sshd)) as server:
+        monkeypatch.setenv("RUNPOD_API_KEY", server.key)
+        monkeypatch.setattr(cloud, "POLL_S", 0.2)
+        yield server
+
+
+def provider(fake, tmp_path, **extra) -> dict:
+    return {"kind": "runpod", "api_url": fake.url, **node_fields(tmp_path), **extra}
+
+
+def up_in_process(project, fake, tmp_path, **extra):
+    write_config(project, provider(fake, tmp_path, **extra), name="rp-t")
+    cfg = load_config(project / "gpuctl.yaml")
+    from provision import cluster
+
+    return cfg, cluster.up(cfg, UpOptions(assume_yes=True, say=lambda _: None))
+
+
+def test_offers_per_cloud_type_cheapest_first(fake):
+    offers = runpod.BACKEND.find_offers(RunPodProvider(api_url=fake.url))
+    assert [(o.id, o.price_per_hour) for o in offers] == [("COMMUNITY", 1.02), ("SECURE", 2.07)]  # 3 x per-GPU
+    secure = runpod.BACKEND.find_offers(RunPodProvider(api_url=fake.url, cloud_type="SECURE"))
+    assert [o.id for o in secure] == ["SECURE"]
+    assert runpod.BACKEND.find_offers(RunPodProvider(api_url=fake.url, max_price=1.0)) == []
+    spot = runpod.BACKEND.find_offers(RunPodProvider(api_url=fake.url, interruptible=True))
+    assert spot[0].spot and spot[0].price_per_hour == pytest.approx(3 * 0.204)
+
+
+def test_no_capacity_for_the_ram_asked_is_one_line(project, fake, tmp_path):
+    write_config(project, provider(fake, tmp_path, min_ram_gb=512), name="rp-t")
+    result = gpuctl("up", "--yes", cwd=project)
+    assert result.returncode == 5
+    assert "no runpod offer matches (gpuTypeId=NVIDIA GeForce RTX 4090, gpuCount=3, minMemoryInGb=512" in result.stderr
+    assert not fake.pods
+
+
+def test_deploy_input_has_the_documented_shape(project, fake, tmp_path, state_dir):
+    _cfg, record = up_in_process(project, fake, tmp_path)
+    sent = fake.deploy_inputs[0]
+    assert sent["gpuTypeId"] == "NVIDIA GeForce RTX 4090" and sent["gpuCount"] == 3
+    assert sent["ports"] == "22/tcp" and sent["supportPublicIp"] is True and sent["startSsh"] is True
+    assert sent["containerDiskInGb"] == 200 and sent["volumeInGb"] == 0 and sent["minMemoryInGb"] == 128
+    assert sent["cloudType"] == "COMMUNITY" and sent["imageName"] == "ghcr.io/gpuctl/trainer:0.1.0"
+    public = (state_dir / "keys" / "rp-t" / "id_ed25519.pub").read_text().strip()
+    assert {"key": "PUBLIC_KEY", "value": public} in sent["env"]
+    assert {"key": "GPUCTL_SSHD", "value": "1"} in sent["env"]  # the trainer image starts its sshd
+    node = record.nodes[0]
+    assert node.instance_id == "fakepod000001" and node.port == fake.ssh.port and node.slots == 3
+    assert record.price_per_hour == 1.02
+    assert all(fake.key not in p for p in fake.raw_paths)  # Bearer header, never ?api_key=
+    runpod.BACKEND.down(record, lambda _: None)
+    assert not fake.pods and fake.terminated == ["fakepod000001"]
+    runpod.BACKEND.down(record, lambda _: None)  # twice: fine
+
+
+def test_spot_uses_pod_rent_interruptable_with_a_bid(project, fake, tmp_path):
+    _cfg, record = up_in_process(project, fake, tmp_path, interruptible=True, bid_per_gpu=0.3)
+    sent = fake.deploy_inputs[0]
+    assert sent["bidPerGpu"] == 0.3
+    runpod.BACKEND.down(record, lambda _: None)
+
+
+def test_key_from_runpod_config_toml(tmp_path, monkeypatch, fake):
+    monkeypatch.delenv("RUNPOD_API_KEY")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".runpod").mkdir()
+    (tmp_path / ".runpod" / "config.toml").write_text(f'[default]\napi_key = "{fake.key}"\n')
+    assert runpod.BACKEND.find_offers(RunPodProvider(api_url=fake.url))
+    (tmp_path / ".runpod" / "config.toml").write_text(f'apikey = "{fake.key}"\napiurl = "x"\n')  # runpodctl's
+    assert runpod.BACKEND.find_offers(RunPodProvider(api_url=fake.url))
+
+
+def test_wrong_key_is_a_clear_line_without_the_key(project, fake, tmp_path, state_dir):
+    write_config(project, provider(fake, tmp_path), name="rp-t")
+    wrong = "rp-WRONG-key-77aa55"
+    result = gpuctl("up", "--yes", cwd=project, env={"RUNPOD_API_KEY": wrong})
+    assert result.returncode == 5
+    assert "RunPod rejected the API key from $RUNPOD_API_KEY (HTTP 401)" in result.stderr
+    assert_secret_absent(wrong, result.stdout, result.stderr, dirs=(state_dir,))
+
+
+def test_graphql_errors_and_unknown_fields_are_clear(fake):
+    client = runpod.api(fake.url)
+    with pytest.raises(NoOfferError):
+        runpod.gql(client, runpod.DEPLOY, {"input": {"gpuTypeId": "NVIDIA GeForce RTX 4090", "imageName": "x",
+                                                       "cloudType": "ALL", "minMemoryInGb": 999}})
+    with pytest.raises(Exception, match='Cannot query field "bogus"'):
+        runpod.gql(client, "query { myself { pods { id bogus } } }")
+
+
+def test_node_teardown_sends_pod_terminate(project, fake, tmp_path):
+    _cfg, record = up_in_process(project, fake, tmp_path)
+    teardown = runpod.BACKEND.self_teardown(record)
+    assert teardown.argv[3] == "POST" and teardown.argv[4] == fake.url
+    assert json.loads(teardown.argv[5])["variables"] == {"input": {"podId": "fakepod000001"}}
+    assert fake.key not in " ".join(teardown.argv) and teardown.env == {"GPUCTL_TEARDOWN_KEY": fake.key}
+    done = subprocess.run(teardown.argv, env={**os.environ, **teardown.env}, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not fake.pods
+    again = subprocess.run(teardown.argv, env={**os.environ, **teardown.env}, capture_output=True, timeout=60)
+    assert again.returncode == 0  # "Pod not found": already gone is done
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_e2e_up_train_self_teardown_down(project, fake, tmp_path, state_dir):
+    write_config(project, provider(fake, tmp_path, **node_fields(tmp_path, ranks=2)), name="rp-e2e",
+                 teardown="after-train")
+    outputs = []
+    for args in (("up", "--yes"), ("train",)):
+        result = gpuctl(*args, cwd=project)
+        outputs += [result.stdout, result.stderr]
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "step 4/4" in outputs[2]
+    wait_until(lambda: not fake.pods, 120, "the pod to terminate itself")
+    assert fake.terminated == ["fakepod000001"]
+    for _ in range(2):
+        down = gpuctl("down", "--yes", cwd=project)
+        outputs += [down.stdout, down.stderr]
+        assert down.returncode == 0, down.stderr
+    assert_secret_absent(fake.key, *outputs, dirs=(state_dir, tmp_path / "node", project))

@@ -1,0 +1,190 @@
+"""Storage credentials: resolved on the laptop (boto3's chain), handed to the node in secrets.env
+only; multi-node ranks get them without .deepspeed_env (which DeepSpeed puts on the pdsh command
+line and into job.log). Also the laptop's resume check. Fast: no DeepSpeed ranks, no server."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from provision import job, state
+from provision.config import GpuctlConfig
+from provision.credentials import storage_credentials
+from provision.errors import ConfigError, NotFoundError
+from provision.render import NODE_ENV, launcher_argv, render_bundle
+
+try:
+    from tests.s3server import s3_env  # noqa: F401 (fixture)
+except ImportError:
+    from s3server import s3_env  # noqa: F401
+
+MARKER = "SECRETmarker0123456789abcdefSECRET"
+
+
+def aws_files(tmp_path: Path, profile: str = "train-profile", token: str | None = None) -> dict[str, str]:
+    creds = tmp_path / "credentials"
+    lines = [f"[{profile}]", "aws_access_key_id = AKIAPROFILEKEY000001", f"aws_secret_access_key = {MARKER}"]
+    if token:
+        lines.append(f"aws_session_token = {token}")
+    creds.write_text("\n".join(lines) + "\n")
+    config = tmp_path / "config"
+    config.write_text(f"[profile {profile}]\nregion = eu-west-3\n")
+    return {"AWS_SHARED_CREDENTIALS_FILE": str(creds), "AWS_CONFIG_FILE": str(config)}
+
+
+@pytest.fixture
+def profile_env(s3_env, tmp_path):
+    """Credentials only in a named profile: nothing in the environment."""
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        s3_env.delenv(var, raising=False)
+    for key, value in aws_files(tmp_path).items():
+        s3_env.setenv(key, value)
+    return s3_env
+
+
+def config(storage: dict, **provider) -> GpuctlConfig:
+    return GpuctlConfig.model_validate({"provider": {"kind": "local", "cpu_ranks": 3, **provider},
+                                        "storage": storage})
+
+
+S3 = {"url": "s3://bucket/prefix", "endpoint_url": "http://127.0.0.1:9", "profile": "train-profile"}
+
+
+def test_profile_credentials_become_plain_env(profile_env):
+    creds = storage_credentials(config(S3).storage)
+    assert creds.env == {"AWS_ACCESS_KEY_ID": "AKIAPROFILEKEY000001", "AWS_SECRET_ACCESS_KEY": MARKER,
+                         "AWS_DEFAULT_REGION": "eu-west-3"}
+    assert not creds.expires and MARKER not in repr(creds)
+
+
+def test_env_credentials_with_session_token_and_region(s3_env):
+    s3_env.setenv("AWS_SESSION_TOKEN", "tok-" + MARKER)
+    creds = storage_credentials(config({"url": "s3://b/p", "region": "ap-south-1"}).storage)
+    assert creds.env["AWS_SESSION_TOKEN"] == "tok-" + MARKER
+    assert creds.env["AWS_DEFAULT_REGION"] == "ap-south-1"  # storage.region wins over the env's
+    assert creds.expires and creds.method == "env"
+
+
+def test_file_storage_needs_no_credentials(s3_env):
+    assert storage_credentials(config({"url": "/tmp/store"}).storage).env == {}
+
+
+def test_missing_profile_and_missing_credentials_are_one_line_errors(profile_env):
+    with pytest.raises(ConfigError, match="storage.profile 'nope'") as err:
+        storage_credentials(config({**S3, "profile": "nope"}).storage)
+    assert MARKER not in err.value.one_line()
+    with pytest.raises(ConfigError, match="no AWS credentials found for storage s3://bucket/prefix"):
+        storage_credentials(config({"url": "s3://bucket/prefix"}).storage)  # default profile: none
+
+
+def _bundle(cfg: GpuctlConfig, tmp_path: Path, hosts: int = 1):
+    cluster = state.ClusterRecord(name="c", provider="local", python="python3", nodes=[
+        state.NodeRecord(host=f"node{i}", address=f"127.0.0.{i + 1}", slots=1, workdir=str(tmp_path / "node"))
+        for i in range(hosts)])
+    spec = job.bundle_spec(cfg, cluster, "run1", "latest")
+    spec.ssh_config = None  # multi-node: mesh.setup would have written one at `up`
+    return spec, render_bundle(cfg, spec, tmp_path / "bundle")
+
+
+def test_bundle_carries_credentials_only_in_secrets_env(profile_env, tmp_path):
+    spec, out = _bundle(config(S3), tmp_path)
+    run = json.loads((out / "run.json").read_text())
+    assert run["storage"]["profile"] is None and run["storage"]["url"] == "s3://bucket/prefix"
+    assert run["resume"] == "latest"
+    secrets = out / "secrets.env"
+    assert oct(secrets.stat().st_mode & 0o777) == "0o600"
+    assert f"AWS_SECRET_ACCESS_KEY={MARKER}" in secrets.read_text().splitlines()
+    others = [p for p in out.rglob("*") if p.is_file() and p != secrets]
+    assert not [p for p in others if MARKER.encode() in p.read_bytes()]
+    assert MARKER not in " ".join(launcher_argv(spec))
+    assert not (out / NODE_ENV).exists() and "--venv_script" not in launcher_argv(spec)  # one node
+
+
+def test_render_command_writes_no_credentials(profile_env, tmp_path):
+    from typer.testing import CliRunner
+
+    from provision.cli import app
+
+    (tmp_path / "gpuctl.yaml").write_text(json.dumps({"provider": {"kind": "local"}, "storage": S3}))
+    result = CliRunner().invoke(app, ["render", "-o", str(tmp_path / "out"), "-c", str(tmp_path / "gpuctl.yaml")])
+    assert result.exit_code == 0, result.output
+    assert not (tmp_path / "out" / "secrets.env").exists()
+
+
+def test_multinode_ranks_source_secrets_without_command_line_or_log(profile_env, tmp_path):
+    """DeepSpeed's pdsh command (what it logs and runs on every node) carries no secret; the
+    node_env.sh it sources loads them and deletes that node's secrets.env."""
+    spec, out = _bundle(config(S3), tmp_path, hosts=2)
+    argv = launcher_argv(spec)
+    assert argv[argv.index("--venv_script") + 1] == f"{spec.run_dir}/{NODE_ENV}"
+    assert MARKER not in (out / ".deepspeed_env").read_text()
+    assert oct((out / ".deepspeed_env").stat().st_mode & 0o777) == "0o600"
+
+    # What DeepSpeed's runner builds from our argv and .deepspeed_env (its own classes).
+    pytest.importorskip("deepspeed")
+    from deepspeed.launcher.multinode_runner import PDSHRunner
+    from deepspeed.launcher.runner import parse_args
+
+    args = parse_args(argv[argv.index("deepspeed.launcher.runner") + 1:] + ["--master_port", "29500",
+                                                                            "--module", "trainer", "run.json"])
+    runner = PDSHRunner(args, "e30=")
+    for line in (out / ".deepspeed_env").read_text().splitlines():
+        runner.add_export(*line.split("=", 1))
+    cmd, _kill, _env = runner.get_cmd(dict(os.environ), {"node0": [0], "node1": [0]})
+    line = " ".join(cmd)
+    assert MARKER not in line and f"source {spec.run_dir}/{NODE_ENV};" in line
+
+    # The node side: the bundle copy in the run dir, sourced the way pdsh's remote shell does.
+    shutil.copytree(out, spec.run_dir)
+    shown = subprocess.run(["bash", "-c", f"source {spec.run_dir}/{NODE_ENV}; printenv AWS_SECRET_ACCESS_KEY"],
+                           capture_output=True, text=True, timeout=30, env={"PATH": os.environ["PATH"]})
+    assert shown.stdout.strip() == MARKER and shown.returncode == 0
+    assert not Path(spec.run_dir, "secrets.env").exists()
+
+
+def test_launch_sh_removes_secret_files_at_the_end(profile_env, tmp_path):
+    _spec, out = _bundle(config(S3), tmp_path)
+    assert "rm -f secrets.env .deepspeed_env" in (out / "launch.sh").read_text()
+
+
+# -- the laptop's resume check ---------------------------------------------------------------
+def _store_with(tmp_path: Path, tags: dict[str, int]):
+    from trainer.objstore import CheckpointStore
+
+    store = CheckpointStore.from_config({"url": str(tmp_path / "store")})
+    for tag, world in tags.items():
+        local = tmp_path / "ckpt" / tag
+        local.mkdir(parents=True)
+        (local / "mp_rank_00_model_states.pt").write_bytes(tag.encode() * 10)
+        store.upload_shards(local, tag, 0)
+        assert store.publish(tag, int(tag[4:]), world, 1, timeout=5)
+    return store
+
+
+def _cluster(world: int) -> state.ClusterRecord:
+    return state.ClusterRecord(name="c", provider="local", nodes=[state.NodeRecord(host="localhost", slots=world)])
+
+
+def test_resume_check_world_size_and_missing(tmp_path):
+    cfg = config({"url": str(tmp_path / "store")})
+    lines: list[str] = []
+    with pytest.raises(NotFoundError, match="no complete checkpoint in"):
+        job.check_resume(cfg, _cluster(3), "latest", lines.append)
+    _store_with(tmp_path, {"step4": 3, "step8": 3})
+    job.check_resume(cfg, _cluster(3), "latest", lines.append)
+    assert lines[-1].startswith("resuming from step8 (step 8)")
+    with pytest.raises(ConfigError, match="saved by 3 ranks but cluster c has 2") as err:
+        job.check_resume(cfg, _cluster(2), "step4", lines.append)
+    assert "--hf" in err.value.one_line()
+    job.check_resume(cfg, _cluster(3), "step6", lines.append)  # not there: the node falls back
+    assert lines[-2] == f"checkpoint step6 is not complete in {cfg.storage_url()}; the node will fall back to step4"
+    with pytest.raises(NotFoundError):
+        job.check_resume(cfg, _cluster(3), "step2", lines.append)
+    with pytest.raises(ConfigError, match="invalid checkpoint tag"):
+        job.check_resume(cfg, _cluster(3), "../x", lines.append)
+    job.check_resume(cfg, _cluster(3), None, lines.append)  # fresh run: nothing to check
