@@ -31,7 +31,15 @@ ENV VIRTUAL_ENV=/opt/venv \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1
-RUN python3 -m venv "$VIRTUAL_ENV"
+# An SSH session into a Vast/RunPod instance (runtime image) does not see this ENV: sshd starts
+# it with a default PATH. So `python`/`python3` in /usr/local/bin (first on that PATH) exec the
+# venv's, and /etc/environment (read by PAM) puts the venv first for logins too.
+RUN python3 -m venv "$VIRTUAL_ENV" \
+ && for exe in python python3; do \
+      printf '#!/bin/sh\nexec %s/bin/%s "$@"\n' "$VIRTUAL_ENV" "$exe" > "/usr/local/bin/$exe"; \
+      chmod 755 "/usr/local/bin/$exe"; \
+    done \
+ && echo "PATH=\"$PATH\"" > /etc/environment
 
 # 2. torch, the CUDA 12.8 build (the largest layer; changes only with images/requirements-torch.txt).
 COPY images/requirements-torch.txt /opt/gpuctl/requirements/
@@ -39,11 +47,16 @@ RUN pip install -r /opt/gpuctl/requirements/requirements-torch.txt
 
 # 3. DeepSpeed with its ops compiled now, not JIT on the node. There is no GPU during a build:
 #    DS_ACCELERATOR=cuda and TORCH_CUDA_ARCH_LIST make it compile for the listed archs anyway.
+#    CPU Adam would be built for THIS machine's CPU (-march=native): the CXX wrapper pins it to
+#    GPUCTL_CPU_ARCH so the image runs on any GPU host (images/portable-cxx.sh says why).
 ARG TORCH_CUDA_ARCH_LIST="8.0;8.9;9.0"
+ARG GPUCTL_CPU_ARCH=x86-64-v3
 ARG MAX_JOBS=4
+COPY images/portable-cxx.sh /opt/gpuctl/cc/g++
 COPY images/requirements-deepspeed.txt /opt/gpuctl/requirements/
 RUN DS_ACCELERATOR=cuda DS_BUILD_CPU_ADAM=1 DS_BUILD_FUSED_ADAM=1 \
     TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}" MAX_JOBS="${MAX_JOBS}" \
+    CXX=/opt/gpuctl/cc/g++ GPUCTL_CPU_ARCH="${GPUCTL_CPU_ARCH}" \
     pip install --no-build-isolation \
       -c /opt/gpuctl/requirements/requirements-torch.txt \
       -r /opt/gpuctl/requirements/requirements-deepspeed.txt \
@@ -79,7 +92,8 @@ LABEL org.opencontainers.image.title="gpuctl-trainer" \
       org.gpuctl.torch="2.10.0" \
       org.gpuctl.deepspeed="0.19.8" \
       org.gpuctl.transformers="5.24.0" \
-      org.gpuctl.cuda-arch-list="8.0;8.9;9.0"
+      org.gpuctl.cuda-arch-list="8.0;8.9;9.0" \
+      org.gpuctl.cpu-arch="x86-64-v3"
 
 WORKDIR /workspace
 ENTRYPOINT ["/usr/bin/tini", "--", "/usr/local/bin/gpuctl-entrypoint"]

@@ -30,8 +30,9 @@ UNSAFE_DS_ENV = re.compile(r'["$`\\\n]')
 # Multi-node secrets: DeepSpeed turns every .deepspeed_env line into `export K=V;` on the pdsh
 # command line (argv on every node) and logs that line (`cmd = ...`) into job.log, so secrets
 # cannot travel that way. Instead each node's copy of the bundle holds the 0600 secrets.env, and
-# DeepSpeed's --venv_script makes the remote shell source this script (which loads then deletes
-# it) before it starts that node's ranks. Only its path is on the command line.
+# DeepSpeed's --venv_script makes the remote shell source this script (which loads it) before it
+# starts that node's ranks; the trainer deletes it once all ranks are up (trainer.checkpoint
+# .drop_secrets_file). Only the script's path is on the command line.
 NODE_ENV = "node_env.sh"
 
 
@@ -165,8 +166,9 @@ def _node_env_script(run_dir: str) -> str:
     secrets = shlex.quote(f"{run_dir}/secrets.env")
     return ("# Sourced on every node by DeepSpeed's pdsh launcher (--venv_script) before it starts the\n"
             "# node's ranks: they get the run's secrets (storage credentials) without any command line\n"
-            "# or log carrying them. Deleted once read (launch.sh loaded it before starting the launcher).\n"
-            f"if [ -f {secrets} ]; then set -a; . {secrets}; set +a; rm -f {secrets}; fi\n")
+            "# or log carrying them. The trainer deletes the file once every rank of every node is up\n"
+            "# (not here: run dirs on a shared filesystem are one file for all nodes).\n"
+            f"if [ -f {secrets} ]; then set -a; . {secrets}; set +a; export GPUCTL_SECRETS_FILE={secrets}; fi\n")
 
 
 def _ship_data(cfg: GpuctlConfig, out_dir: Path) -> str:

@@ -93,6 +93,11 @@ class Dockerd:
             self.proc.kill()
             self.proc.wait(timeout=10)
         self.proc = None
+        # dockerd leaves its default netns bind-mounted under the exec root: unmount, then delete
+        with open("/proc/mounts") as fh:
+            mounts = [line.split()[1] for line in fh if line.split()[1].startswith(f"{self.root}/")]
+        for mount in sorted(mounts, reverse=True):
+            subprocess.run(["umount", "-l", mount], capture_output=True, timeout=30)
         shutil.rmtree(self.root, ignore_errors=True)
 
 

@@ -109,3 +109,30 @@ def test_entrypoint_execs_the_command_and_starts_no_sshd_unasked():
     out = subprocess.run([str(script), "echo", "hello from the command"], capture_output=True, text=True,
                          env={"PATH": os.environ["PATH"]}, timeout=30)
     assert out.returncode == 0 and out.stdout == "hello from the command\n"
+
+
+def test_cpu_adam_is_built_for_a_portable_cpu_not_the_builders(tmp_path):
+    """DeepSpeed passes -march=native and the builder's SIMD width; the CXX wrapper pins both."""
+    assert "COPY images/portable-cxx.sh /opt/gpuctl/cc/g++" in DOCKERFILE  # name has g++: torch's check
+    assert "CXX=/opt/gpuctl/cc/g++" in DOCKERFILE
+    arch = re.search(r"^ARG GPUCTL_CPU_ARCH=(\S+)", DOCKERFILE, re.M)[1]
+    assert labels()["org.gpuctl.cpu-arch"] == arch
+    fake = tmp_path / "fake-gxx"
+    fake.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    fake.chmod(0o755)
+    argv = ["-O3", "-march=native", "-fopenmp", "-D__AVX512__", "-I/a b", "x.cpp"]
+    out = subprocess.run([str(IMAGES / "portable-cxx.sh"), *argv], capture_output=True, text=True, timeout=30,
+                         env={"PATH": os.environ["PATH"], "GPUCTL_REAL_CXX": str(fake), "GPUCTL_CPU_ARCH": arch})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["-O3", f"-march={arch}", "-fopenmp", "-D__AVX256__", "-I/a b", "x.cpp"]
+
+
+def test_the_wrapper_really_compiles_without_native_instructions(tmp_path):
+    if not shutil.which("g++"):
+        pytest.skip("no g++ here")
+    src = tmp_path / "x.cpp"
+    src.write_text("int main() { return 0; }\n")
+    out = subprocess.run([str(IMAGES / "portable-cxx.sh"), "-march=native", "-D__AVX512__", "-v", str(src),
+                          "-o", str(tmp_path / "x")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "-march=x86-64-v3" in out.stderr and "-march=native" not in out.stderr

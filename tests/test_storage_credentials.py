@@ -141,10 +141,22 @@ def test_multinode_ranks_source_secrets_without_command_line_or_log(profile_env,
 
     # The node side: the bundle copy in the run dir, sourced the way pdsh's remote shell does.
     shutil.copytree(out, spec.run_dir)
-    shown = subprocess.run(["bash", "-c", f"source {spec.run_dir}/{NODE_ENV}; printenv AWS_SECRET_ACCESS_KEY"],
+    shown = subprocess.run(["bash", "-c", f"source {spec.run_dir}/{NODE_ENV}; printenv AWS_SECRET_ACCESS_KEY "
+                            "GPUCTL_SECRETS_FILE"],
                            capture_output=True, text=True, timeout=30, env={"PATH": os.environ["PATH"]})
-    assert shown.stdout.strip() == MARKER and shown.returncode == 0
-    assert not Path(spec.run_dir, "secrets.env").exists()
+    assert shown.returncode == 0, shown.stderr
+    secret, secrets_file = shown.stdout.split()
+    assert secret == MARKER and secrets_file == f"{spec.run_dir}/secrets.env"
+    # Once every rank is up, local rank 0 of each node deletes it (a shared run dir: one file).
+    from trainer.checkpoint import drop_secrets_file
+
+    profile_env.setenv("GPUCTL_SECRETS_FILE", secrets_file)
+    profile_env.setenv("LOCAL_RANK", "1")
+    drop_secrets_file()
+    assert Path(secrets_file).exists()
+    profile_env.setenv("LOCAL_RANK", "0")
+    drop_secrets_file()
+    assert not Path(secrets_file).exists()
 
 
 def test_launch_sh_removes_secret_files_at_the_end(profile_env, tmp_path):

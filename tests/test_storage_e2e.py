@@ -316,6 +316,25 @@ def test_other_world_size_is_refused_before_anything_ships(reference, server, tm
     assert not list((project.state / "runs").glob("*.json"))  # no run started
 
 
+def test_trainer_refuses_other_world_size_before_downloading(reference, server, tmp_path, monkeypatch):
+    """The node's own check (a run started without gpuctl's): one rank, a 3-rank checkpoint."""
+    sys.path.insert(0, str(REPO / "tests"))
+    import test_trainer_helpers as helpers
+
+    for key, value in tool_env().items():
+        if key.startswith("AWS_"):
+            monkeypatch.setenv(key, value)
+    storage = {"url": f"s3://{reference.bucket}/{reference.prefix}", "endpoint_url": server.endpoint,
+               "region": "us-east-1", "profile": None, "keep": 3}
+    run_dir = helpers.make_run_dir(tmp_path / "one", world=1, grad_accum=4, seq_len=64, storage=storage,
+                                   resume="latest")
+    proc = helpers.launch(run_dir, 1, timeout=300)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("trainer: error")]
+    assert len(errors) == 1 and "was saved by 3 ranks but this run has 1" in errors[0], proc.stdout[-3000:]
+    assert not list(run_dir.glob("checkpoints/*/*.pt"))  # refused before fetching anything
+
+
 def test_pull_hf_folder_loads_and_matches_the_trained_loss(reference, tmp_path):
     """Weights of step4 give, through from_pretrained, the loss the engine logged at step 5
     (computed in step 5's forward pass with exactly those weights, on the same batch)."""

@@ -199,9 +199,19 @@ def test_local_retention_keeps_newest_and_unuploaded(tmp_path):
     ckpt = Checkpointer(None, cfg, DistEnv(0, 0, 1, 1), None, lambda _m: None)
     for step in (5, 10, 15, 20):
         _fake_tag(ckpt.dir, f"step{step}", world=1)
-    ckpt.uploader = _Uploader({"step5", "step15", "step20"})
+    def left() -> list[str]:
+        return sorted((p.name for p in ckpt.dir.iterdir()), key=lambda n: int(n[4:]))
+
+    ckpt.uploader = _Uploader({"step5", "step10"})  # step15, step20 still uploading
     ckpt.prune()
-    assert sorted(p.name for p in ckpt.dir.iterdir()) == ["step10", "step15", "step20"]  # step10 not uploaded
+    assert left() == ["step15", "step20"]
+    _fake_tag(ckpt.dir, "step25", world=1)
+    ckpt.prune()
+    assert left() == ["step15", "step20", "step25"]  # step15 is not in the store yet: kept
+    ckpt.uploader = _Uploader({"step5", "step10", "step20"})  # step15's upload failed, step20 is up
+    ckpt.prune()
+    assert left() == ["step20", "step25"]
     ckpt.uploader = None  # no object storage: plain retention
+    _fake_tag(ckpt.dir, "step30", world=1)
     ckpt.prune()
-    assert sorted(p.name for p in ckpt.dir.iterdir()) == ["step15", "step20"]
+    assert left() == ["step25", "step30"]

@@ -9,6 +9,7 @@ the world size before DeepSpeed loads anything, and trainer.export rebuild the m
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from collections.abc import Callable
@@ -34,6 +35,7 @@ class Position:
 
 def open_store(cfg: RunConfig, log: Callable[[str], None]):
     """The object store from run.json's storage block, or None when there is none."""
+    drop_secrets_file()
     if not cfg.storage or not cfg.storage.get("url"):
         return None
     # light: no torch; boto3 only for s3://
@@ -43,6 +45,16 @@ def open_store(cfg: RunConfig, log: Callable[[str], None]):
         return CheckpointStore.from_config(cfg.storage, log=log)
     except ValueError as exc:
         raise TrainerError(f"run.json storage: {exc}") from None
+
+
+def drop_secrets_file() -> None:
+    """Multi-node: each node's shell loaded the run's secrets.env (provision's node_env.sh, which
+    names it in GPUCTL_SECRETS_FILE) before starting its ranks. Every rank is past DeepSpeed's
+    setup by now, so every node has read it: local rank 0 deletes it (on a shared filesystem the
+    first one to get here does). The values stay in the ranks' environment."""
+    path = os.environ.get("GPUCTL_SECRETS_FILE")
+    if path and os.environ.get("LOCAL_RANK", "0") == "0":
+        Path(path).unlink(missing_ok=True)
 
 
 class Checkpointer:
@@ -91,11 +103,13 @@ class Checkpointer:
         dist.barrier()
 
     def prune(self) -> None:
-        """Delete local tags beyond the newest keep_local, but only ones already uploaded."""
-        tags = sorted(local_tags(self.dir), key=lambda t: t[0])
+        """Delete local tags beyond the newest keep_local once the store has them or a newer one
+        (a tag whose upload failed goes once a later tag is up; a tag downloaded for resume too)."""
+        tags = sorted(local_tags(self.dir))
         uploaded = self.uploader.uploaded_tags() if self.uploader is not None else None
-        for _step, tag in tags[:-self.cfg.train.keep_local]:
-            if uploaded is None or tag in uploaded:
+        newest_up = max((step for step, tag in tags if uploaded and tag in uploaded), default=-1)
+        for step, tag in tags[:-self.cfg.train.keep_local]:
+            if uploaded is None or tag in uploaded or step < newest_up:
                 shutil.rmtree(self.dir / tag, ignore_errors=True)
 
 

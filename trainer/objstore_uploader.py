@@ -13,6 +13,7 @@ Failures are remembered and raised by ``wait()``; later jobs still run.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -26,6 +27,18 @@ _log = logging.getLogger("gpuctl.objstore")
 
 if TYPE_CHECKING:
     from trainer.objstore import CheckpointStore
+
+# Uploads yield the CPU to training (CPU Adam with ZeRO-Offload, data loading, CPU ranks): the
+# worker thread runs at this nice level, and the transfer threads it starts inherit it (Linux
+# keeps nice per thread). Raising one's own nice needs no privilege.
+UPLOAD_NICE = 10
+
+
+def _yield_cpu() -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), UPLOAD_NICE)
+    except (AttributeError, OSError):  # not Linux/Unix: leave the priority alone
+        pass
 
 
 @dataclass(frozen=True)
@@ -102,6 +115,7 @@ class BackgroundUploader:
 
     # -- worker --------------------------------------------------------------------------
     def _run(self) -> None:
+        _yield_cpu()
         while not self._stop.is_set():
             job = self._queue.get()
             if job is None:
