@@ -199,6 +199,7 @@ def test_local_retention_keeps_newest_and_unuploaded(tmp_path):
     ckpt = Checkpointer(None, cfg, DistEnv(0, 0, 1, 1), None, lambda _m: None)
     for step in (5, 10, 15, 20):
         _fake_tag(ckpt.dir, f"step{step}", world=1)
+
     def left() -> list[str]:
         return sorted((p.name for p in ckpt.dir.iterdir()), key=lambda n: int(n[4:]))
 
