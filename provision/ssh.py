@@ -490,7 +490,7 @@ class SSHNode(Node):
         """Copy a local folder to `remote` over SFTP (created 0700), minus ignored files."""
         local = Path(local)
         try:
-            sftp = self.client().open_sftp()
+            sftp = self._sftp()  # the kept session: the node starts its sftp-server once per process
         except (paramiko.SSHException, OSError, EOFError) as exc:
             self.drop_connection()
             raise RemoteError(f"{self.label}: SFTP failed to start ({exc})",
@@ -512,8 +512,6 @@ class SSHNode(Node):
             if transport is None or not transport.is_active():
                 self.drop_connection()
             raise RemoteError(f"{self.label}: copying {local} to {remote} failed: {exc}") from None
-        finally:
-            sftp.close()
 
 
 def _complete_utf8(data: bytes) -> int:

@@ -81,6 +81,7 @@ class Session:
 class RunStats:
     """Rank 0's running totals for summary.json."""
 
+    start_step: int = 0  # the step this process started from (0, or the resumed step)
     first_loss: float | None = None
     final_loss: float | None = None
     timed_tokens: int = 0  # tokens of the steps after this process's first (warm-up) step
@@ -88,6 +89,14 @@ class RunStats:
     all_tokens: int = 0  # every step, for runs of a single step
     all_seconds: float = 0.0
     peak_mem_gb: list[float] | None = None
+
+    def add_step(self, tokens: int, seconds: float, warmup: bool) -> None:
+        self.all_tokens, self.all_seconds = self.all_tokens + tokens, self.all_seconds + seconds
+        if not warmup:
+            self.timed_tokens, self.timed_seconds = self.timed_tokens + tokens, self.timed_seconds + seconds
+
+    def tokens_and_seconds(self) -> tuple[int, float]:
+        return (self.timed_tokens, self.timed_seconds) if self.timed_seconds else (self.all_tokens, self.all_seconds)
 
 
 def train(cfg: RunConfig, env: DistEnv) -> dict:
@@ -98,29 +107,34 @@ def train(cfg: RunConfig, env: DistEnv) -> dict:
     sampler = Sampler(run.data.num_samples, cfg.train.seed)
     ckpt = Checkpointer(run.engine, cfg, env, store, run.say)
     metrics = MetricsLog(cfg.run_dir, cfg.train.max_steps) if env.is_main else None
-    stats, start_step = RunStats(), pos.step
+    stats = RunStats(start_step=pos.step)
 
     run.engine.train()
     while pos.step < cfg.train.max_steps:
-        lr = run.engine.get_lr()[0]
-        started = time.perf_counter()
-        loss_sum = train_step(run, sampler, pos)
-        pos = Position(pos.step + 1, pos.samples_seen + run.geo.global_batch)
-        log_now = pos.step % cfg.train.log_every == 0 or pos.step in (start_step + 1, cfg.train.max_steps)
-        loss, mem = gather_stats(loss_sum, run.geo) if log_now else (None, None)
-        if loss_sum.device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - started
-        stats.all_tokens, stats.all_seconds = stats.all_tokens + run.geo.tokens_per_step, stats.all_seconds + seconds
-        if pos.step > start_step + 1:
-            stats.timed_tokens += run.geo.tokens_per_step
-            stats.timed_seconds += seconds
-        if metrics is not None and log_now:
-            record_step(run, metrics, stats, pos, lr, loss, mem, seconds)
+        pos = step_and_log(run, sampler, pos, stats, metrics)
         if checkpoint_due(cfg, pos.step):
             ckpt.save(pos, run.geo.global_batch)
     ckpt.finish()
-    return summarize(run, stats, pos, start_step, ckpt.last_tag)
+    return summarize(run, stats, pos, ckpt.last_tag)
+
+
+def step_and_log(run: Session, sampler: Sampler, pos: Position, stats: RunStats,
+                 metrics: MetricsLog | None) -> Position:
+    """One optimizer step and its bookkeeping (the unit that tokens/s measures); returns the new position."""
+    train = run.cfg.train
+    lr = run.engine.get_lr()[0]
+    started = time.perf_counter()
+    loss_sum = train_step(run, sampler, pos)
+    pos = Position(pos.step + 1, pos.samples_seen + run.geo.global_batch)
+    log_now = pos.step % train.log_every == 0 or pos.step in (stats.start_step + 1, train.max_steps)
+    loss, mem = gather_stats(loss_sum, run.geo) if log_now else (None, None)
+    if loss_sum.device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    stats.add_step(run.geo.tokens_per_step, seconds, warmup=pos.step == stats.start_step + 1)
+    if metrics is not None and log_now:
+        record_step(run, metrics, stats, pos, lr, loss, mem, seconds)
+    return pos
 
 
 def setup(cfg: RunConfig, env: DistEnv) -> Session:
@@ -227,11 +241,10 @@ def checkpoint_due(cfg: RunConfig, step: int) -> bool:
     return (every > 0 and step % every == 0) or step == cfg.train.max_steps
 
 
-def summarize(run: Session, stats: RunStats, pos: Position, start_step: int, last_tag: str | None) -> dict:
-    tokens, seconds = (stats.timed_tokens, stats.timed_seconds) if stats.timed_seconds else \
-        (stats.all_tokens, stats.all_seconds)
+def summarize(run: Session, stats: RunStats, pos: Position, last_tag: str | None) -> dict:
+    tokens, seconds = stats.tokens_and_seconds()
     rate = throughput(tokens, seconds, run.params, run.env.world_size, run.peak_tflops)
-    return {"state": "succeeded", "run_id": run.cfg.run_id, "steps": pos.step, "start_step": start_step,
+    return {"state": "succeeded", "run_id": run.cfg.run_id, "steps": pos.step, "start_step": stats.start_step,
             "first_loss": stats.first_loss, "final_loss": stats.final_loss,
             "tokens_per_s": round(rate.tokens_per_s, 1), "tflops_per_gpu": round(rate.tflops_per_gpu, 4),
             "mfu": rate.mfu, "peak_mem_gb": stats.peak_mem_gb, "world_size": run.env.world_size,
