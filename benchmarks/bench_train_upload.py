@@ -45,9 +45,22 @@ def one_run(work: Path, name: str, args, storage: dict | None) -> dict:
     run_dir = helpers.make_run_dir(work / name, world=args.ranks, grad_accum=args.grad_accum,
                                    max_steps=args.steps, checkpoint_every=args.every, seq_len=args.seq_len,
                                    keep_local=2, storage=storage)
-    t0 = time.perf_counter()
-    proc = helpers.launch(run_dir, args.ranks, timeout=1800)
-    wall = time.perf_counter() - t0
+    for attempt in range(3):
+        t0 = time.perf_counter()
+        proc = helpers.launch(run_dir, args.ranks, timeout=1800)
+        wall = time.perf_counter() - t0
+        # On a shared test box, another run's multi-node stop (DeepSpeed's pdsh `pkill -f` of every
+        # `python -u -m deepspeed.launcher.launch` on its nodes, here: this machine) kills ours too.
+        if proc.returncode == 0 or "Main process received SIGTERM" not in proc.stdout:
+            break
+        print(f"{name}: the launcher was killed from outside (attempt {attempt + 1}); running it again", flush=True)
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        for stale in ("metrics.jsonl", "summary.json"):
+            (run_dir / stale).unlink(missing_ok=True)
+        if storage:
+            storage["url"] += f"-retry{attempt + 1}"
+            (run_dir / "run.json").write_text(json.dumps({**json.loads((run_dir / "run.json").read_text()),
+                                                          "storage": storage}, indent=2))
     if proc.returncode != 0:
         raise SystemExit(f"{name}: trainer failed ({proc.returncode}):\n{proc.stdout[-3000:]}")
     summary = helpers.summary(run_dir)

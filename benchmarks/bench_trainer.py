@@ -69,6 +69,8 @@ def bare_step(engine, vocab: int, seq_len: int) -> None:
 
 def interleaved_loop(steps: int) -> None:
     """Run as a DeepSpeed user script in a trainer run dir: alternate trainer and bare steps."""
+    import torch.distributed as dist
+
     from trainer import loop
     from trainer.checkpoint import Position
     from trainer.config import DistEnv, load_run_config
@@ -86,11 +88,13 @@ def interleaved_loop(steps: int) -> None:
     for step in range(steps):
         order = ("trainer", "bare") if step % 2 == 0 else ("bare", "trainer")
         for name in order:
+            dist.barrier()  # start in step, and charge each kind its own stragglers (the barrier after)
             started = time.perf_counter()
             if name == "trainer":
                 pos = loop.step_and_log(run, sampler, pos, stats, metrics)
             else:
                 bare_step(run.engine, vocab, cfg.train.seq_len)
+            dist.barrier()
             if step > 0:
                 seconds[name] += time.perf_counter() - started
     if env.is_main:

@@ -76,7 +76,7 @@ def down(name: str, say: Callable[[str], None] = print) -> bool:
 
 def planned(cfg: GpuctlConfig) -> state.ClusterRecord:
     """The cluster `up` would record, without touching a machine (for render and dry runs)."""
-    from provision.config import HOST_RE, LocalProvider, SSHProvider
+    from provision.config import LocalProvider, SSHProvider
     from provision.providers.local import node_python, visible_gpus
     from provision.runtime import resolve
 
@@ -91,15 +91,16 @@ def planned(cfg: GpuctlConfig) -> state.ClusterRecord:
         return state.ClusterRecord(name=cfg.cluster_name, provider="local", nodes=[node],
                                    python=node_python(prov))
     if isinstance(prov, SSHProvider):
-        nodes = []
-        for host in prov.hosts:
-            match = HOST_RE.match(host)
-            user = match["user"] or "root"
-            home = "/root" if user == "root" else f"/home/{user}"
-            nodes.append(state.NodeRecord(
-                host=match["host"], address=match["host"], port=int(match["port"] or 22), user=user,
-                slots=prov.gpus_per_node or prov.cpu_ranks,
-                accelerator="cuda" if prov.gpus_per_node else "cpu", workdir=f"{home}/gpuctl"))
+        from provision.providers.ssh import hostfile_names, targets
+
+        found = targets(prov)
+        home = "/root" if found[0].user == "root" else f"/home/{found[0].user}"  # a guess; `up` asks the node
+        workdir = (prov.workdir or "gpuctl").replace("~/", "", 1)
+        workdir = workdir if workdir.startswith("/") else f"{home}/{workdir}"  # one path on every node
+        nodes = [state.NodeRecord(host=name, address=t.address, port=t.port, user=t.user,
+                                  slots=prov.gpus_per_node or prov.cpu_ranks,
+                                  accelerator="cuda" if prov.gpus_per_node else "cpu", workdir=workdir)
+                 for t, name in zip(found, hostfile_names(found))]
         docker = prov.runtime == "docker"  # auto depends on the node; `up` decides
         return state.ClusterRecord(name=cfg.cluster_name, provider="ssh", nodes=nodes, python=prov.python,
                                    runtime="docker" if docker else "none", image=prov.image if docker else None)

@@ -54,6 +54,7 @@ if os.environ.get("GPUCTL_DEBUG", "") in ("", "0"):
     logging.getLogger("paramiko").setLevel(logging.CRITICAL + 1)
 
 DEFAULT_CONNECT_TIMEOUT = 15.0
+IO_TIMEOUT = 30.0  # an SFTP reply slower than this means a hung connection (half-open TCP)
 KEEPALIVE_S = 15
 IGNORE_FILES = (".gitignore", ".gpuctlignore")
 
@@ -300,13 +301,14 @@ class SSHNode(Node):
 
     def __init__(self, address: str, port: int = 22, user: str = "root", identity_file: str | None = None,
                  *, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT, pin_new: bool = False,
-                 label: str | None = None):
+                 label: str | None = None, io_timeout: float = IO_TIMEOUT):
         self.address = address
         self.port = int(port)
         self.user = user
         self.identity_file = identity_file
         self.connect_timeout = connect_timeout
         self.pin_new = pin_new
+        self.io_timeout = io_timeout
         self.label = label or _where(user, address, self.port)
         # The known_hosts file is part of the key: a connection checked against another state
         # dir's pins (tests, GPUCTL_STATE_DIR switches) is not reused.
@@ -406,6 +408,8 @@ class SSHNode(Node):
             if not chan.status_event.wait(left):
                 raise TimeoutError
         except TimeoutError:
+            # the command, or the connection under it, hangs: the next call starts a fresh one
+            self.drop_connection()
             raise RemoteError(f"{self.label}: {command[:120]} timed out after {timeout}s") from None
         except (paramiko.SSHException, OSError, EOFError) as exc:
             self.drop_connection()
@@ -426,6 +430,7 @@ class SSHNode(Node):
         if sftp is None or sftp.sock.closed:
             sftp = client.open_sftp()
             client._gpuctl_sftp = sftp
+        sftp.get_channel().settimeout(self.io_timeout)
         return sftp
 
     def _over_sftp(self, path: str, action: Callable[[paramiko.SFTPClient], object], missing: object) -> object:
@@ -437,7 +442,8 @@ class SSHNode(Node):
             with _POOL_LOCK:
                 client = _POOL.get(self._key)
             transport = client.get_transport() if client else None
-            if isinstance(exc, OSError) and transport is not None and transport.is_active():
+            alive = transport is not None and transport.is_active() and not isinstance(exc, TimeoutError)
+            if isinstance(exc, OSError) and alive:
                 return missing  # missing, a folder, no permission: like `[ -f ] && cat` failing
             self.drop_connection()
             raise RemoteError(f"{self.label}: connection lost reading {path} ({exc or type(exc).__name__})",
@@ -505,11 +511,10 @@ class SSHNode(Node):
                     _sftp_remove(sftp, target)
                     sftp.symlink(os.readlink(path), target)
                 else:
-                    sftp.put(str(path), target, confirm=True)
-                    sftp.chmod(target, stat.S_IMODE(path.stat().st_mode))
+                    _sftp_put(sftp, path, target)
         except (paramiko.SSHException, OSError, EOFError) as exc:
             transport = sftp.get_channel().get_transport()
-            if transport is None or not transport.is_active():
+            if transport is None or not transport.is_active() or isinstance(exc, TimeoutError):
                 self.drop_connection()
             raise RemoteError(f"{self.label}: copying {local} to {remote} failed: {exc}") from None
 
@@ -523,6 +528,18 @@ def _complete_utf8(data: bytes) -> int:
         return len(data)
     need = 2 if data[i] < 0xE0 else 3 if data[i] < 0xF0 else 4
     return len(data) if len(data) - i >= need else i
+
+
+def _sftp_put(sftp: paramiko.SFTPClient, path: Path, target: str) -> None:
+    """One file in ~2 round trips (open, close; writes pipelined, their errors raised at close).
+    The mode is set only when it is not the usual 0644 (a run dir is 0700 anyway)."""
+    mode = stat.S_IMODE(path.stat().st_mode)
+    with open(path, "rb") as src, sftp.open(target, "wb") as dst:
+        dst.set_pipelined(True)
+        while chunk := src.read(1 << 20):
+            dst.write(chunk)
+        if mode != 0o644:
+            dst.chmod(mode)
 
 
 def _sftp_mkdir(sftp: paramiko.SFTPClient, path: str, mode: int) -> None:

@@ -452,3 +452,29 @@ def test_sftp_fast_paths_match_the_shell_versions(sshd, tmp_path):
     assert node.last_line(str(log)).strip() == Node.last_line(node, str(log)).strip() == '{"step": 2}'
     assert node.group_alive(os.getpgid(0)) and not node.group_alive(2**22 - 3)
     assert node.read_text(str(tmp_path)) is None  # a folder: like `[ -f ] && cat`
+
+
+def test_a_hung_connection_is_dropped_within_the_io_timeout(fresh_sshd, tmp_path):
+    """sshd frozen (SIGSTOP): TCP stays up, nothing answers. Reads give up after io_timeout
+    and the next call, once sshd is back, connects afresh."""
+    import signal
+
+    from tests.sshd import children_of
+
+    server = fresh_sshd
+    node = node_for(server, io_timeout=2)
+    path = tmp_path / "status.json"
+    path.write_text("{}")
+    assert node.read_text(str(path)) == "{}"
+    frozen = [server.proc.pid, *children_of(server.proc.pid)]
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RemoteError, match="connection lost"):
+            node.read_text(str(path))
+        assert time.monotonic() - start < 6
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+    assert node.read_text(str(path)) == "{}"

@@ -200,3 +200,13 @@ def test_resume_check_world_size_and_missing(tmp_path):
     with pytest.raises(ConfigError, match="invalid checkpoint tag"):
         job.check_resume(cfg, _cluster(3), "../x", lines.append)
     job.check_resume(cfg, _cluster(3), None, lines.append)  # fresh run: nothing to check
+
+
+def test_export_without_a_checkpoint_is_one_line(tmp_path):
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "trainer.export", str(tmp_path / "none"), "step3", str(tmp_path / "hf"),
+                          "--model", "tiny"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == f"export: error: checkpoint {tmp_path / 'none' / 'step3'} does not exist"
+    assert not (tmp_path / "hf").exists()

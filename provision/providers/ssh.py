@@ -222,7 +222,11 @@ class SSHBackend:
                                       identity_file=identity)
         if len(records) > 1:
             self._check_multinode(cluster, found, facts, runtime)
-            mesh.setup(cluster, nodes, prov.authorized_keys, opts.say)
+            try:
+                mesh.setup(cluster, nodes, prov.authorized_keys, opts.say)
+            except BaseException:
+                mesh.teardown(cluster, nodes, opts.say)  # this attempt's key off the nodes again
+                raise
         return cluster
 
     def _runtime(self, prov: SSHProvider, found: list[Target], facts: list[NodeFacts]) -> str:
