@@ -76,7 +76,13 @@ def one_run(work: Path, name: str, args, storage: dict | None) -> dict:
 
 
 def renice(pid: int, nice: int) -> None:
-    """Every thread of pid (threads started later inherit from the thread that starts them)."""
+    """Every thread of pid (threads started later inherit from the thread that starts them), and
+    its session's autogroup: with kernel.sched_autogroup_enabled, CPU is shared between sessions
+    first and nice only counts within one, and the server runs in its own session."""
+    try:
+        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+    except OSError:
+        pass
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             os.setpriority(os.PRIO_PROCESS, int(task.name), nice)

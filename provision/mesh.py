@@ -74,7 +74,7 @@ def cluster_keypair(cluster: str) -> tuple[str, str]:
 
 def node_known_hosts(cluster: state.ClusterRecord) -> str:
     """known_hosts lines for every node, from the keys gpuctl pinned on first contact."""
-    from provision.ssh import host_key_name, load_known_hosts
+    from provision.hostkeys import host_key_name, load_known_hosts
 
     keys = load_known_hosts()
     lines = []

@@ -1,6 +1,4 @@
-"""SSH transport: SSHNode (remote.Node over paramiko), pinned host keys, wait_for_ssh.
-
-Public helpers (the cloud providers reuse them):
+"""SSH transport: SSHNode, a remote.Node over paramiko; forget_host.
 
 ``SSHNode(address, port=22, user="root", identity_file=None, *, connect_timeout=15,
 pin_new=False, label=None)``
@@ -13,155 +11,40 @@ pin_new=False, label=None)``
     Every failure is a RemoteError with one line; connection failures are ConnectError,
     whose ``transient`` says whether retrying can help (refused, timeout, no banner yet).
 
-``wait_for_ssh(address, port, deadline, *, say=None, probe_timeout=5.0) -> str``
-    Poll until an SSH server answers on address:port with its banner (``SSH-2.0-...``, not
-    merely an open TCP port: a cloud node's port forwarder accepts long before sshd runs).
-    ``deadline`` is a ``time.monotonic()`` instant. Returns the banner line; raises
-    ConnectError (transient=True) naming the last problem when the deadline passes.
+``forget_host(spec) -> int`` removes a host's pinned keys (``host``, ``host:port`` or
+``user@host:port``), closes its pooled connections and returns how many lines went.
 
-``known_hosts_path() -> Path``: gpuctl's own known_hosts (OpenSSH format, under the state
-dir); ``forget_host(spec) -> int`` removes a host's pinned keys (``host``, ``host:port`` or
-``user@host:port``) and returns how many lines went.
+The cloud providers and tests also import from here what the helper modules define:
+ConnectError and wait_for_ssh (sshconnect), known_hosts_path (hostkeys), walk_shipped (ignore).
 """
 
 from __future__ import annotations
 
 import atexit
 import codecs
-import logging
 import os
 import posixpath
-import re
 import select
 import shlex
-import socket
 import stat
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import paramiko
 
 from provision import state
 from provision.errors import RemoteError
+from provision.hostkeys import known_hosts_path, unpin
+from provision.ignore import walk_shipped
 from provision.remote import CommandResult, LineSink, Node
+from provision.sshconnect import DEFAULT_CONNECT_TIMEOUT, ConnectError, endpoint, open_client, wait_for_ssh
 
-# paramiko logs a dropped connection ("Socket exception: Connection reset") from its reader
-# thread; gpuctl reports it as one RemoteError line instead. GPUCTL_DEBUG=1 shows the logs.
-if os.environ.get("GPUCTL_DEBUG", "") in ("", "0"):
-    logging.getLogger("paramiko").setLevel(logging.CRITICAL + 1)
+__all__ = ["ConnectError", "SSHNode", "forget_host", "known_hosts_path", "parse_host_spec",
+           "wait_for_ssh", "walk_shipped"]
 
-DEFAULT_CONNECT_TIMEOUT = 15.0
 IO_TIMEOUT = 30.0  # an SFTP reply slower than this means a hung connection (half-open TCP)
-KEEPALIVE_S = 15
-IGNORE_FILES = (".gitignore", ".gpuctlignore")
-
-
-class ConnectError(RemoteError):
-    """Could not open an SSH session. `transient`: a booting node can still become ready."""
-
-    def __init__(self, message: str, fix: str | None = None, *, transient: bool = False):
-        super().__init__(message, fix)
-        self.transient = transient
-
-
-class UnknownHostKey(paramiko.SSHException):
-    def __init__(self, hostname: str, key: paramiko.PKey):
-        super().__init__(f"unknown host key for {hostname}")
-        self.hostname = hostname
-        self.key = key
-
-
-# --- gpuctl's known_hosts ------------------------------------------------------------------
-
-def known_hosts_path() -> Path:
-    return state.state_dir() / "known_hosts"
-
-
-def host_key_name(address: str, port: int) -> str:
-    """How OpenSSH and paramiko name a host in known_hosts."""
-    return address if port == 22 else f"[{address}]:{port}"
-
-
-def load_known_hosts() -> paramiko.HostKeys:
-    keys = paramiko.HostKeys()
-    path = known_hosts_path()
-    if path.is_file():
-        keys.load(str(path))
-    return keys
-
-
-def pin_host_key(name: str, key: paramiko.PKey) -> None:
-    """Record a host key on first contact (under the state lock; never replaces a key)."""
-    with state.locked():
-        keys = load_known_hosts()
-        known = keys.lookup(name)
-        if known is not None and key.get_name() in known:
-            if known[key.get_name()] != key:
-                raise paramiko.BadHostKeyException(name, key, known[key.get_name()])
-            return
-        keys.add(name, key.get_name(), key)
-        _save_known_hosts(keys)
-
-
-def _save_known_hosts(keys: paramiko.HostKeys) -> None:
-    lines = []
-    for entry in keys._entries:  # HostKeys.save writes in place; we want an atomic replace
-        line = entry.to_line()
-        if line:
-            lines.append(line)
-    state.write_atomic(known_hosts_path(), "".join(lines), 0o600)
-
-
-def parse_host_spec(spec: str) -> tuple[str | None, str, int | None]:
-    """`user@host:port` -> (user, host, port); user and port may be absent."""
-    from provision.config import HOST_RE
-
-    match = HOST_RE.match(spec.strip())
-    if not match:
-        raise RemoteError(f"{spec!r} is not host, host:port or user@host:port")
-    return match["user"], match["host"], int(match["port"]) if match["port"] else None
-
-
-def forget_host(spec: str) -> int:
-    """Drop the pinned keys of a host (every port when none is given). Returns lines removed."""
-    _user, host, port = parse_host_spec(spec)
-    names = {host_key_name(host, port)} if port else None
-    with state.locked():
-        keys = load_known_hosts()
-        kept = []
-        removed = 0
-        for entry in keys._entries:
-            hit = any(n == host_key_name(host, port) if names else
-                      (n == host or re.fullmatch(rf"\[{re.escape(host)}\]:\d+", n))
-                      for n in entry.hostnames)
-            if hit:
-                removed += 1
-            else:
-                kept.append(entry)
-        keys._entries = kept
-        if removed:
-            _save_known_hosts(keys)
-    _forget_connections(host, port)
-    return removed
-
-
-class _PinPolicy(paramiko.MissingHostKeyPolicy):
-    """Unknown key: record it only when pinning is allowed (first contact in `up`), else refuse.
-
-    A changed key never reaches the policy: paramiko raises BadHostKeyException itself
-    because the pinned keys are loaded into the client before connecting.
-    """
-
-    def __init__(self, pin_new: bool):
-        self.pin_new = pin_new
-
-    def missing_host_key(self, client, hostname, key):
-        if not self.pin_new:
-            raise UnknownHostKey(hostname, key)
-        pin_host_key(hostname, key)
 
 
 # --- connections ---------------------------------------------------------------------------
@@ -189,109 +72,22 @@ def _forget_connections(address: str, port: int | None) -> None:
         client.close()
 
 
-def _where(user: str, address: str, port: int) -> str:
-    return f"{user}@{address}:{port}"
+def parse_host_spec(spec: str) -> tuple[str | None, str, int | None]:
+    """`user@host:port` -> (user, host, port); user and port may be absent."""
+    from provision.config import HOST_RE
+
+    match = HOST_RE.match(spec.strip())
+    if not match:
+        raise RemoteError(f"{spec!r} is not host, host:port or user@host:port")
+    return match["user"], match["host"], int(match["port"]) if match["port"] else None
 
 
-def _connect_error(exc: BaseException, user: str, address: str, port: int, timeout: float,
-                   identity_file: str | None) -> ConnectError:
-    """One line for each way a connection fails, with the next thing to try."""
-    where = _where(user, address, port)
-    if isinstance(exc, paramiko.BadHostKeyException):
-        return ConnectError(
-            f"{where}: host key CHANGED (now {exc.key.get_name()} {exc.key.fingerprint}, pinned "
-            f"{exc.expected_key.fingerprint}); refusing to connect",
-            f"if the machine was really reinstalled, run `gpuctl forget-host {address}:{port}`, then `gpuctl up`")
-    if isinstance(exc, UnknownHostKey):
-        return ConnectError(f"{where}: host key {exc.key.get_name()} {exc.key.fingerprint} is not pinned by gpuctl",
-                            "run `gpuctl up` to connect and pin it")
-    if isinstance(exc, paramiko.AuthenticationException):
-        what = f"key {identity_file}" if identity_file else "your SSH agent/default keys"
-        return ConnectError(f"{where}: authentication failed with {what}",
-                            "check provider.identity_file and that its public key is in the node's authorized_keys")
-    if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError):
-        first = next(iter(exc.errors.values()), None)  # refused/unreachable on every address
-        if isinstance(first, OSError):
-            exc = first
-    if isinstance(exc, socket.gaierror):
-        return ConnectError(f"{where}: cannot resolve host {address!r} ({exc.strerror})",
-                            "check the host name in provider.hosts", transient=True)
-    if isinstance(exc, ConnectionRefusedError):
-        return ConnectError(f"{where}: connection refused (no SSH server on port {port})",
-                            "check the port in provider.hosts and that sshd runs", transient=True)
-    if isinstance(exc, (socket.timeout, TimeoutError)):
-        return ConnectError(f"{where}: no answer within {timeout:g}s (host unreachable or down)",
-                            "check the address and your network; a booting node needs a minute", transient=True)
-    # paramiko: "Error reading SSH protocol banner", or "No existing session" when its
-    # handshake wait (the same timeout) ran out first
-    if isinstance(exc, paramiko.SSHException) and ("banner" in str(exc).lower() or "No existing session" in str(exc)):
-        return ConnectError(f"{where}: no SSH banner within {timeout:g}s (not an SSH server, or it is overloaded)",
-                            "check the port in provider.hosts", transient=True)
-    if isinstance(exc, OSError) and exc.errno is not None:
-        return ConnectError(f"{where}: {exc.strerror or exc}", "check the address and port", transient=True)
-    return ConnectError(f"{where}: SSH connection failed: {exc or type(exc).__name__}",
-                        "retry; GPUCTL_DEBUG=1 shows the details", transient=True)
-
-
-def open_client(address: str, port: int, user: str, identity_file: str | None, *,
-                timeout: float = DEFAULT_CONNECT_TIMEOUT, pin_new: bool = False) -> paramiko.SSHClient:
-    """A new authenticated paramiko client; host key checked against gpuctl's known_hosts."""
-    client = paramiko.SSHClient()
-    path = known_hosts_path()
-    if path.is_file():
-        client.load_system_host_keys(str(path))  # checked, never written back by paramiko
-    client.set_missing_host_key_policy(_PinPolicy(pin_new))
-    key_file = str(Path(identity_file).expanduser()) if identity_file else None
-    try:
-        client.connect(address, port=port, username=user, key_filename=key_file,
-                       look_for_keys=key_file is None, allow_agent=key_file is None,
-                       timeout=timeout, banner_timeout=timeout, auth_timeout=timeout,
-                       channel_timeout=timeout)
-    except (paramiko.SSHException, OSError, EOFError) as exc:
-        client.close()
-        raise _connect_error(exc, user, address, port, timeout, identity_file) from None
-    transport = client.get_transport()
-    transport.set_keepalive(KEEPALIVE_S)
-    return client
-
-
-def wait_for_ssh(address: str, port: int, deadline: float, *, say: Callable[[str], None] | None = None,
-                 probe_timeout: float = 5.0) -> str:
-    """Wait until address:port answers with an SSH banner; see the module docstring."""
-    delay, last = 0.5, "not tried"
-    while time.monotonic() < deadline:
-        budget = max(0.1, min(probe_timeout, deadline - time.monotonic()))
-        try:
-            with socket.create_connection((address, port), timeout=budget) as sock:
-                sock.settimeout(budget)
-                banner = _read_banner(sock)
-            if banner.startswith("SSH-"):
-                return banner
-            last = f"answered {banner[:40]!r}, not an SSH banner"
-        except (OSError, EOFError) as exc:
-            last = _connect_error(exc, "-", address, port, budget, None).message.split(": ", 1)[-1]
-        if say:
-            say(f"waiting for SSH on {address}:{port}: {last}")
-        time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
-        delay = min(delay * 2, 10)
-    raise ConnectError(f"{address}:{port}: no SSH server answered before the deadline ({last})",
-                       "check the node in the provider's console; `gpuctl down` removes it", transient=True)
-
-
-def _read_banner(sock: socket.socket) -> str:
-    data = b""
-    while b"\n" not in data and len(data) < 1024:
-        chunk = sock.recv(256)
-        if not chunk:
-            if not data:
-                raise EOFError("closed without a banner")
-            break
-        data += chunk
-    # RFC 4253: the server may send other lines before the version line.
-    for line in data.decode("latin-1").splitlines():
-        if line.startswith("SSH-"):
-            return line.strip()
-    return data.decode("latin-1").strip()
+def forget_host(spec: str) -> int:
+    """Drop the pinned keys of a host (every port when none is given). Returns lines removed."""
+    _user, host, port = parse_host_spec(spec)
+    removed = unpin(host, port)
+    _forget_connections(host, port)
+    return removed
 
 
 # --- the node ------------------------------------------------------------------------------
@@ -309,7 +105,7 @@ class SSHNode(Node):
         self.connect_timeout = connect_timeout
         self.pin_new = pin_new
         self.io_timeout = io_timeout
-        self.label = label or _where(user, address, self.port)
+        self.label = label or endpoint(user, address, self.port)
         # The known_hosts file is part of the key: a connection checked against another state
         # dir's pins (tests, GPUCTL_STATE_DIR switches) is not reused.
         self._key = (user, address, self.port, identity_file, str(known_hosts_path()))
@@ -567,115 +363,3 @@ def _sftp_remove(sftp: paramiko.SFTPClient, path: str) -> None:
     except FileNotFoundError:
         pass
 
-
-# --- .gitignore / .gpuctlignore -------------------------------------------------------------
-
-@dataclass
-class IgnoreRule:
-    regex: re.Pattern
-    negate: bool
-    dir_only: bool
-
-
-def _glob_to_regex(glob: str) -> str:
-    """gitignore glob -> regex over a '/'-separated relative path."""
-    out, i = [], 0
-    while i < len(glob):
-        c = glob[i]
-        if glob.startswith("**/", i):
-            out.append(r"(?:.*/)?")
-            i += 3
-        elif glob.startswith("/**", i) and i + 3 == len(glob):
-            out.append(r"/.*")
-            i += 3
-        elif glob.startswith("**", i):
-            out.append(r".*")
-            i += 2
-        elif c == "*":
-            out.append(r"[^/]*")
-            i += 1
-        elif c == "?":
-            out.append(r"[^/]")
-            i += 1
-        elif c == "[":
-            end = glob.find("]", i + 2)
-            if end == -1:
-                out.append(re.escape(c))
-                i += 1
-            else:
-                body = glob[i + 1:end].replace("\\", "\\\\")
-                out.append("[" + ("^" + body[1:] if body.startswith("!") else body) + "]")
-                i = end + 1
-        elif c == "\\" and i + 1 < len(glob):
-            out.append(re.escape(glob[i + 1]))
-            i += 2
-        else:
-            out.append(re.escape(c))
-            i += 1
-    return "".join(out)
-
-
-def parse_ignore(text: str) -> list[IgnoreRule]:
-    rules = []
-    for raw in text.splitlines():
-        line = raw.rstrip()
-        if not line or line.startswith("#"):
-            continue
-        negate = line.startswith("!")
-        if negate:
-            line = line[1:]
-        if line.startswith("\\"):
-            line = line[1:]
-        dir_only = line.endswith("/")
-        line = line.rstrip("/")
-        if not line:
-            continue
-        anchored = "/" in line
-        body = _glob_to_regex(line.lstrip("/"))
-        pattern = body if anchored else r"(?:.*/)?" + body
-        rules.append(IgnoreRule(re.compile(rf"^{pattern}$", re.S), negate, dir_only))
-    return rules
-
-
-def walk_shipped(root: Path) -> Iterator[tuple[str, Path, str]]:
-    """(relative path, local path, 'dir'|'file'|'link') for what put_dir ships, parents first.
-
-    Ignore files in any folder apply below it, as git does; the last matching rule wins, and
-    an ignored folder is skipped whole.
-    """
-    def rules_in(folder: Path, prefix: str) -> list[tuple[str, IgnoreRule]]:
-        found = []
-        for name in IGNORE_FILES:
-            path = folder / name
-            if path.is_file():
-                found += [(prefix, rule) for rule in parse_ignore(path.read_text(errors="replace"))]
-        return found
-
-    def ignored(rel: str, is_dir: bool, rules: list[tuple[str, IgnoreRule]]) -> bool:
-        verdict = False
-        for prefix, rule in rules:
-            if prefix and not rel.startswith(prefix + "/"):
-                continue
-            sub = rel[len(prefix) + 1:] if prefix else rel
-            if rule.dir_only and not is_dir:
-                continue
-            if rule.regex.match(sub):
-                verdict = not rule.negate
-        return verdict
-
-    def walk(folder: Path, prefix: str, rules: list) -> Iterator[tuple[str, Path, str]]:
-        rules = rules + rules_in(folder, prefix)
-        for entry in sorted(os.scandir(folder), key=lambda e: e.name):
-            rel = f"{prefix}/{entry.name}" if prefix else entry.name
-            path = Path(entry.path)
-            if entry.is_symlink():
-                if not ignored(rel, False, rules):
-                    yield rel, path, "link"
-            elif entry.is_dir():
-                if not ignored(rel, True, rules):
-                    yield rel, path, "dir"
-                    yield from walk(path, rel, rules)
-            elif entry.is_file() and not ignored(rel, False, rules):
-                yield rel, path, "file"
-
-    yield from walk(Path(root), "", [])

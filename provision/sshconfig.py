@@ -49,7 +49,7 @@ def ssh_reachable(cluster: state.ClusterRecord) -> bool:
 
 
 def render(clusters: list[state.ClusterRecord]) -> str:
-    from provision.ssh import known_hosts_path
+    from provision.hostkeys import known_hosts_path
 
     known = str(known_hosts_path())
     out = ["# Written by gpuctl from its state; rewritten by `gpuctl up` / `gpuctl down`.\n"

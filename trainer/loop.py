@@ -15,6 +15,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import transformers
 from deepspeed.accelerator import get_accelerator
 
 from trainer.checkpoint import Checkpointer, Position, open_store, resume
@@ -146,6 +147,8 @@ def setup(cfg: RunConfig, env: DistEnv) -> Session:
     if precision != cfg.train.precision:
         say(f"warning: run.json precision {cfg.train.precision} but ds_config runs {precision}; using {precision}")
 
+    if not env.is_main:  # one "Loading weights" bar in job.log, not one per rank
+        transformers.utils.logging.disable_progress_bar()
     tokenizer = load_tokenizer(cfg.train)
     data = load_data(cfg, env, tokenizer)
     model = build_model(cfg.train, precision, tokenizer)
