@@ -160,3 +160,16 @@ def test_local_data_file_is_shipped(project):
     assert runner.invoke(app, ["render", "-o", "b"]).exit_code == 0
     assert (project / "b" / "data" / "corpus.txt").read_text() == "hello world\n" * 10
     assert json.loads((project / "b" / "run.json").read_text())["train"]["data"] == "data/corpus.txt"
+
+
+def test_scheduler_only_with_warmup(tmp_path):
+    for warmup, has_scheduler in ((0, False), (3, True)):
+        cfg = GpuctlConfig.model_validate({"train": {"warmup_steps": warmup, "max_steps": 10}})
+        spec = BundleSpec(run_id="r", run_dir=str(tmp_path), nodes=[BundleNode("localhost", 3)], python="python3")
+        render_bundle(cfg, spec, tmp_path)
+        ds = json.loads((tmp_path / "ds_config.json").read_text())
+        assert ("scheduler" in ds) is has_scheduler
+        if has_scheduler:
+            assert ds["scheduler"]["params"]["warmup_num_steps"] == 3
+            assert ds["scheduler"]["params"]["total_num_steps"] == 10
+            assert deepspeed_reads(tmp_path / "ds_config.json", 3)["train_batch_size"] == 12
