@@ -21,6 +21,14 @@ if ! "$PY" -c "import torch" 2>/dev/null; then "$PY" -m pip install -q torch==2.
 
 # DeepSpeed JIT-compiles its CPU ops on first use; keep them between runs.
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/gpuctl/torch_extensions}"
+# Build them once, in one process, before any test starts ranks (3 ranks compiling at once
+# on 2 cores is slow and memory-hungry).
+DS_ACCELERATOR=cpu "$PY" -c "
+from deepspeed.accelerator import get_accelerator
+for name in ('CPUAdamBuilder', 'ShareMemCommBuilder'):
+    get_accelerator().create_op_builder(name).load()
+print('deepspeed CPU ops ready')
+"
 set +e
 "$PY" -m pytest -q -p no:cacheprovider "$@"
 rc=$?

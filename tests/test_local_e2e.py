@@ -42,7 +42,12 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
+def shm_buffers() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")}
+
+
 def test_up_train_status_down(project, state_dir):
+    shm_before = shm_buffers()
     write_config(project, max_steps=12, checkpoint_every=6)
     up = gpuctl("up", cwd=project)
     assert up.returncode == 0, up.stderr
@@ -55,6 +60,7 @@ def test_up_train_status_down(project, state_dir):
     assert run["state"] == "succeeded" and run["exit_code"] == 0
     assert run["steps"] == 12 and run["world_size"] == 3 and run["train_batch_size"] == 12
     assert run["tokens_per_s"] > 0
+    assert shm_buffers() <= shm_before  # DeepSpeed's CPU allreduce buffers (69 MB a rank) are gone
     metrics = [json.loads(line) for line in Path(run["run_dir"], "metrics.jsonl").read_text().splitlines()]
     first, last = metrics[0]["loss"], metrics[-1]["loss"]
     assert last < first * 0.8, (first, last)  # the loss falls
@@ -85,6 +91,7 @@ def test_up_train_status_down(project, state_dir):
 
 
 def test_down_stops_a_running_run(project, state_dir):
+    shm_before = shm_buffers()
     write_config(project, max_steps=400, checkpoint_every=0)
     assert gpuctl("up", cwd=project).returncode == 0
     started = gpuctl("train", "--detach", cwd=project)
@@ -98,6 +105,7 @@ def test_down_stops_a_running_run(project, state_dir):
     down = gpuctl("down", cwd=project)
     assert down.returncode == 0, down.stderr
     assert group_members(record["pgid"]) == []
+    assert shm_buffers() <= shm_before  # killed ranks leave no /dev/shm buffer either
     status = json.loads(Path(record["run_dir"], "status.json").read_text())
     assert status["state"] == "cancelled"
     assert not list(state_dir.glob("clusters/*.json"))

@@ -1,7 +1,8 @@
 """Data: read documents, tokenize once into a token file, pack, and hand out batches.
 
 - Sources: 'sample' (trainer/data/sample.txt), .txt (one document per non-empty line),
-  .jsonl (field "text"), .parquet (column "text"; needs pyarrow).
+  .jsonl (field "text"), .parquet (column "text"; needs pyarrow); a path in the run dir or
+  s3://bucket/key (downloaded first by local rank 0 of each node: trainer/remote_data.py).
 - Local rank 0 of each node tokenizes the documents ONCE (each + eos) into a flat token file
   under <run dir>/cache/; the other ranks wait at a barrier, then every rank memory-maps it.
 - Packing: the token stream is cut into blocks of seq_len + 1 (input = block[:-1],
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trainer import remote_data
 from trainer.config import TrainerError
 
 SAMPLE = Path(__file__).with_name("data") / "sample.txt"
@@ -30,16 +32,28 @@ ENCODE_CHUNK = 1000  # documents per tokenizer call
 
 
 def resolve_data(data: str, run_dir: Path) -> Path:
+    """The local file for train.data; for s3:// the cached copy's path (downloaded or not)."""
     if data == "sample":
         return SAMPLE
-    if "://" in data:
-        raise TrainerError(f"train.data {data!r}: remote data is not supported yet; ship a local file")
+    if remote_data.is_remote(data):
+        return remote_data.local_copy(data, run_dir / "cache")
     path = (run_dir / data).resolve()
     if not path.is_file():
         raise TrainerError(f"train.data {data!r}: no such file ({path})")
     if path.suffix not in (".txt", ".jsonl", ".parquet"):
         raise TrainerError(f"train.data {data!r}: expected a .txt, .jsonl or .parquet file")
     return path
+
+
+def prepare_token_file(data: str, run_dir: Path, storage: dict | None, tokenizer,
+                       log: Callable[[str], None]) -> Path:
+    """Local rank 0's part: fetch s3:// data into the cache, then tokenize once; returns the token file."""
+    source = remote_data.download(data, storage, run_dir / "cache", log) if remote_data.is_remote(data) \
+        else resolve_data(data, run_dir)
+    token_file = cache_path(source, tokenizer, run_dir / "cache")
+    if not token_file.exists():
+        tokenize_to_file(source, tokenizer, token_file, log)
+    return token_file
 
 
 def iter_documents(path: Path) -> Iterator[str]:

@@ -7,9 +7,11 @@ from ds_config); this file owns the data order, the loss and the bookkeeping.
 from __future__ import annotations
 
 import json
+import os
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import deepspeed
 import torch
@@ -25,8 +27,8 @@ from trainer.dataset import (
     Sampler,
     cache_path,
     micro_slice,
+    prepare_token_file,
     resolve_data,
-    tokenize_to_file,
 )
 from trainer.metrics import (
     MetricsLog,
@@ -176,6 +178,16 @@ def start_distributed(env: DistEnv, precision: str) -> None:
     if accel.device_name() != "cpu":
         accel.set_device(env.local_rank)  # before the first collective (the data barrier) under NCCL
     deepspeed.init_distributed(dist_backend=dist_backend())
+    if accel.device_name() == "cpu":
+        dist.barrier()  # past this, every rank has mapped every other rank's shm buffer
+        unlink_shm_buffer(env.rank)
+
+
+def unlink_shm_buffer(rank: int) -> None:
+    """DeepSpeed's CPU allreduce never unlinks its /dev/shm buffer (69 MB a rank, left behind by
+    every run, killed or not). Once all ranks have mapped it the name can go; the mapping stays."""
+    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_{os.environ.get('MASTER_PORT')}_{rank}"
+    Path("/dev/shm", name).unlink(missing_ok=True)
 
 
 def dist_backend() -> str:
@@ -192,12 +204,12 @@ def ds_precision(ds_config: dict) -> str:
 
 
 def load_data(cfg: RunConfig, env: DistEnv, tokenizer) -> PackedTokens:
-    """Local rank 0 tokenizes once into a token file; every rank memory-maps it."""
-    source = resolve_data(cfg.train.data, cfg.run_dir)
-    token_file = cache_path(source, tokenizer, cfg.run_dir / "cache")
-    if env.is_local_main and not token_file.exists():
-        tokenize_to_file(source, tokenizer, token_file, lambda m: print(f"trainer: {m}", flush=True))
+    """Local rank 0 downloads (s3://) and tokenizes once into a token file; every rank memory-maps it."""
+    if env.is_local_main:
+        prepare_token_file(cfg.train.data, cfg.run_dir, cfg.storage, tokenizer,
+                           lambda m: print(f"trainer: {m}", flush=True))
     dist.barrier()
+    token_file = cache_path(resolve_data(cfg.train.data, cfg.run_dir), tokenizer, cfg.run_dir / "cache")
     return PackedTokens(token_file, len(tokenizer), cfg.train.seq_len)
 
 
