@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 import shutil
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Annotated, Literal, Union
 from urllib.parse import urlparse
 
@@ -147,6 +147,8 @@ class TrainConfig(Strict):
     seed: int = Field(1234, ge=0)
     gradient_checkpointing: bool = False
     log_every: int = Field(1, ge=1)
+    tensorboard: bool = Field(False, description="DeepSpeed's TensorBoard monitor -> <run dir>/tensorboard/ "
+                                                 "(needs the tensorboard package on the node)")
 
     @model_validator(mode="after")
     def _warmup_fits(self) -> "TrainConfig":
@@ -290,6 +292,10 @@ def _check_files(cfg: GpuctlConfig, path: Path) -> None:
     if data is not None and data.suffix not in (".txt", ".jsonl", ".parquet"):
         raise ConfigError(f"{path}: train.data: {data.name} is not .txt, .jsonl or .parquet",
                           "convert the data or use 'sample'")
+    remote = cfg.train.data if cfg.train.data.startswith("s3://") else None
+    if remote is not None and PurePosixPath(urlparse(remote).path).suffix not in (".txt", ".jsonl", ".parquet"):
+        raise ConfigError(f"{path}: train.data: {remote} is not a .txt, .jsonl or .parquet object",
+                          "point train.data at s3://bucket/path/file.jsonl (or .txt / .parquet)")
     model = cfg.train.model
     if model.startswith((".", "/", "~")) and not Path(model).expanduser().exists():
         raise ConfigError(f"{path}: train.model: {model} does not exist", "give an HF id or a model folder")

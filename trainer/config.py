@@ -50,6 +50,7 @@ class TrainConfig:
     seed: int = 1234  # model init and data order
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory
     log_every: int = 1  # log (job.log + metrics.jsonl) every N steps, and the last step
+    tensorboard: bool = False  # informational; ds_config's "tensorboard" block decides
 
     def validate(self) -> None:
         positive = ("seq_len", "micro_batch", "grad_accum", "max_steps", "keep_local", "log_every")

@@ -141,13 +141,15 @@ def step_and_log(run: Session, sampler: Sampler, pos: Position, stats: RunStats,
 
 
 def setup(cfg: RunConfig, env: DistEnv) -> Session:
-    precision = ds_precision(json.loads((cfg.run_dir / cfg.ds_config).read_text()))
+    ds_config = json.loads((cfg.run_dir / cfg.ds_config).read_text())
+    precision = ds_precision(ds_config)
     start_distributed(env, precision)
     say = (lambda m: print(f"trainer: {m}", flush=True)) if env.is_main else (lambda _m: None)
     for warning in cfg.warnings:
         say(f"warning: {warning}")
     if precision != cfg.train.precision:
         say(f"warning: run.json precision {cfg.train.precision} but ds_config runs {precision}; using {precision}")
+    tensorboard_or_off(ds_config, say)
 
     if not env.is_main:  # one "Loading weights" bar in job.log, not one per rank
         transformers.utils.logging.disable_progress_bar()
@@ -156,7 +158,7 @@ def setup(cfg: RunConfig, env: DistEnv) -> Session:
     model = build_model(cfg.train, precision, tokenizer)
     params = count_params(model)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                      config=str(cfg.run_dir / cfg.ds_config))
+                                      config=ds_config)
     geo = Batching(engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
                    env.world_size, cfg.train.seq_len)
     if (geo.micro_batch, geo.grad_accum) != (cfg.train.micro_batch, cfg.train.grad_accum):
@@ -167,6 +169,20 @@ def setup(cfg: RunConfig, env: DistEnv) -> Session:
         f"data {data.num_samples} samples of {cfg.train.seq_len} tokens; world {env.world_size}, "
         f"global batch {geo.global_batch} ({geo.tokens_per_step} tokens/step)" + (f"; {gpu_name}" if gpu_name else ""))
     return Session(cfg, env, engine, data, geo, params, precision, peak_tflops(gpu_name))
+
+
+def tensorboard_or_off(ds_config: dict, say) -> None:
+    """DeepSpeed's TensorBoard monitor needs the `tensorboard` package (optional): without it,
+    one warning and the run goes on with the monitor off (DeepSpeed would raise ImportError)."""
+    block = ds_config.get("tensorboard")
+    if not isinstance(block, dict) or not block.get("enabled"):
+        return
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        say("warning: train.tensorboard is on but the tensorboard package is not installed on the node "
+            "(pip install tensorboard); going on without TensorBoard logs")
+        block["enabled"] = False
 
 
 def start_distributed(env: DistEnv, precision: str) -> None:
@@ -205,11 +221,12 @@ def ds_precision(ds_config: dict) -> str:
 
 def load_data(cfg: RunConfig, env: DistEnv, tokenizer) -> PackedTokens:
     """Local rank 0 downloads (s3://) and tokenizes once into a token file; every rank memory-maps it."""
+    source = resolve_data(cfg.train.data, cfg.run_dir)  # every rank: the same one-line error for a bad path/url
     if env.is_local_main:
         prepare_token_file(cfg.train.data, cfg.run_dir, cfg.storage, tokenizer,
                            lambda m: print(f"trainer: {m}", flush=True))
     dist.barrier()
-    token_file = cache_path(resolve_data(cfg.train.data, cfg.run_dir), tokenizer, cfg.run_dir / "cache")
+    token_file = cache_path(source, tokenizer, cfg.run_dir / "cache")
     return PackedTokens(token_file, len(tokenizer), cfg.train.seq_len)
 
 
@@ -247,6 +264,10 @@ def record_step(run: Session, metrics: MetricsLog, stats: RunStats, pos: Positio
                              tokens_per_s=round(rate.tokens_per_s, 1), step_time_s=round(seconds, 4),
                              tflops_per_gpu=round(rate.tflops_per_gpu, 4), mfu=rate.mfu, peak_mem_gb=mem,
                              skipped=run.precision == "fp16" and not run.engine.was_step_applied()))
+    monitor = getattr(run.engine, "monitor", None)
+    if monitor is not None and monitor.enabled:  # DeepSpeed's monitors (TensorBoard): rank 0 writes
+        monitor.write_events([("gpuctl/loss", loss, pos.step), ("gpuctl/lr", lr, pos.step),
+                              ("gpuctl/tokens_per_s", rate.tokens_per_s, pos.step)])
     stats.first_loss = loss if stats.first_loss is None else stats.first_loss
     stats.final_loss, stats.peak_mem_gb = loss, mem
 

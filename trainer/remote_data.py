@@ -63,8 +63,9 @@ def _explain(exc: Exception, data: str, endpoint: str | None) -> TrainerError:
 
     where = f"{data}" + (f" (endpoint {endpoint})" if endpoint else "")
     if isinstance(exc, bx.NoCredentialsError):
-        return TrainerError(f"train.data {where}: no S3 credentials on the node; set storage credentials "
-                            "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) for the run", everywhere=False)
+        return TrainerError(f"train.data {where}: no S3 credentials on the node (gpuctl ships AWS_* only "
+                            "when storage.url is s3://; use an s3:// storage.url on the same store)",
+                            everywhere=False)
     if isinstance(exc, bx.ClientError):
         code = str(exc.response.get("Error", {}).get("Code", ""))
         if code in ("404", "NoSuchKey", "NotFound", "NoSuchBucket"):
