@@ -29,9 +29,9 @@ class StorageCredentials:
         return f"StorageCredentials(names={sorted(self.env)}, method={self.method!r}, expires={self.expires})"
 
 
-def storage_credentials(storage: StorageConfig) -> StorageCredentials:
-    """The AWS_* env a node needs to reach storage.url; empty for file:// storage."""
-    if urlparse(storage.url).scheme != "s3":
+def storage_credentials(storage: StorageConfig, data: str | None = None) -> StorageCredentials:
+    """The AWS_* env a node needs to reach storage.url or s3:// training data; else empty."""
+    if urlparse(storage.url).scheme != "s3" and not (data or "").startswith("s3://"):
         return StorageCredentials()
     import boto3
     from botocore import exceptions as bx

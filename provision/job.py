@@ -59,7 +59,7 @@ def bundle_spec(cfg: GpuctlConfig, cluster: state.ClusterRecord, run_id: str,
         spec.ssh_port = first.port
         spec.ssh_config = node_ssh_config(first.workdir)  # written by mesh.setup at `up`
     # Storage credentials reach the node only through secrets.env (never run.json or argv).
-    spec.secrets.update((storage_credentials(cfg.storage) if credentials is None else credentials).env)
+    spec.secrets.update((storage_credentials(cfg.storage, cfg.train.data) if credentials is None else credentials).env)
     teardown = None
     if cfg.teardown == "after-train" or cluster.budget_hours:
         teardown = backend(cluster.provider).self_teardown(cluster)
@@ -83,7 +83,7 @@ def start_run(cfg: GpuctlConfig, cluster: state.ClusterRecord, *, resume: str | 
     batch = check_batch(cfg.train, cluster.world_size)
     check_resume(cfg, cluster, resume, say)
     run_id = new_run_id()
-    credentials = storage_credentials(cfg.storage)
+    credentials = storage_credentials(cfg.storage, cfg.train.data)
     if credentials.expires:
         say(f"warning: the storage credentials ({credentials.method or 'session'}) are temporary; the node "
             "cannot refresh them, so uploads fail once they expire (use long-lived keys for long runs)")

@@ -74,6 +74,11 @@ def test_file_storage_needs_no_credentials(s3_env):
     assert storage_credentials(config({"url": "/tmp/store"}).storage).env == {}
 
 
+def test_s3_training_data_brings_credentials_with_file_storage(s3_env):
+    creds = storage_credentials(config({"url": "/tmp/store"}).storage, "s3://bucket/corpus.jsonl")
+    assert set(creds.env) >= {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+
+
 def test_missing_profile_and_missing_credentials_are_one_line_errors(profile_env):
     with pytest.raises(ConfigError, match="storage.profile 'nope'") as err:
         storage_credentials(config({**S3, "profile": "nope"}).storage)
