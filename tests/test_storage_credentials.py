@@ -146,9 +146,8 @@ def test_multinode_ranks_source_secrets_without_command_line_or_log(profile_env,
 
     # The node side: the bundle copy in the run dir, sourced the way pdsh's remote shell does.
     shutil.copytree(out, spec.run_dir)
-    shown = subprocess.run(["bash", "-c", f"source {spec.run_dir}/{NODE_ENV}; printenv AWS_SECRET_ACCESS_KEY "
-                            "GPUCTL_SECRETS_FILE"],
-                           capture_output=True, text=True, timeout=30, env={"PATH": os.environ["PATH"]})
+    script = f"source {spec.run_dir}/{NODE_ENV}; printenv AWS_SECRET_ACCESS_KEY GPUCTL_SECRETS_FILE"
+    shown = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30, env={"PATH": os.environ["PATH"]})
     assert shown.returncode == 0, shown.stderr
     secret, secrets_file = shown.stdout.split()
     assert secret == MARKER and secrets_file == f"{spec.run_dir}/secrets.env"
