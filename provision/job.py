@@ -261,7 +261,9 @@ def cancel(run: state.RunRecord, *, grace_s: float = 20) -> bool:
             time.sleep(0.5)
         if node.group_alive(run.pgid):
             node.signal_group(run.pgid, "KILL")
-            time.sleep(1)
+            deadline = time.monotonic() + 10  # killed processes linger until reaped
+            while time.monotonic() < deadline and node.group_alive(run.pgid):
+                time.sleep(0.5)
             from provision.runtime import remove_container
 
             remove_container(run, node)  # a killed `docker run` client leaves its container running
