@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.s3server import TEST_KEY_ID, TEST_SECRET, MotoS3, RcloneS3, venv_bin  # noqa: E402
-from trainer import objstore  # noqa: E402
+from trainer.objstore import backends  # noqa: E402
+from trainer.objstore.store import CheckpointStore  # noqa: E402
 
 
 def make_checkpoint(root: Path, size_mb: int, n_large: int = 4, n_small: int = 200) -> int:
@@ -104,9 +105,9 @@ def main() -> None:
         for tool in tools:
             dst = work / f"dl-{tool}"
             if tool == "objstore":
-                store = objstore.CheckpointStore.from_config(
+                store = CheckpointStore.from_config(
                     {"url": f"s3://{bucket}/objstore", "endpoint_url": ep})
-                objstore._hash_cache.clear()
+                backends._hash_cache.clear()
                 t = time.perf_counter()
                 store.upload_shards(src, "step100", 0, step=100)
                 assert store.publish("step100", 100, 1, 1, timeout=10)
@@ -148,7 +149,7 @@ def main() -> None:
         small.mkdir(parents=True)
         for i in range(100):
             (small / f"shard_{i:03d}.pt").write_bytes(os.urandom(64 << 10))
-        store = objstore.CheckpointStore.from_config({"url": f"s3://{bucket}/noop",
+        store = CheckpointStore.from_config({"url": f"s3://{bucket}/noop",
                                                       "endpoint_url": ep})
         store.upload_shards(small, "step1", 0)
         noop: dict[str, float] = {}
@@ -158,7 +159,7 @@ def main() -> None:
             store.upload_shards(small, "step1", 0)
             runs.append(time.perf_counter() - t)
         noop["objstore (hash cache warm)"] = min(runs)
-        objstore._hash_cache.clear()
+        backends._hash_cache.clear()
         t = time.perf_counter()
         store.upload_shards(small, "step1", 0)
         noop["objstore (hash cache cold)"] = time.perf_counter() - t

@@ -4,7 +4,7 @@
 Random init, the real dims (30 layers, hidden 4096, FFN 11008, vocab 102400; --layers shrinks the depth to fit
 the host), built directly in 16-bit on the GPU (no fp32 copy), fp16, micro 1 x seq 2048, gradient
 checkpointing, a few optimizer steps on random tokens. Prints tokens/s, TFLOP/s, MFU against the detected
-GPU's peak (provision.plan's table) and peak memory, next to plan()'s prediction for the same config.
+GPU's peak (provision.estimate.plan's table) and peak memory, next to plan()'s prediction for the same config.
 
     python benchmarks/gpu_check.py --layers 30 --steps 6         # or: deepspeed --num_gpus 1 benchmarks/gpu_check.py
     python benchmarks/gpu_check.py --plan-only --gpu "NVIDIA H200" --layers 8   # the prediction only, no torch
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from provision.plan import GB, KNOWN_MODELS, PlanError, PlanInput, PlanResult, plan  # noqa: E402
+from provision.estimate.plan import GB, KNOWN_MODELS, PlanError, PlanInput, PlanResult, plan  # noqa: E402
 
 TINY_SMOKE = dict(hidden=256, heads=4, intermediate=688, vocab=1024)
 

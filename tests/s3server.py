@@ -269,6 +269,52 @@ class RcloneS3:
 
 
 # --------------------------------------------------------------------------- fixtures
+class LatestWatcher:
+    """Polls the store through a plain client; records any `latest` that names a tag
+    without a manifest (that must never happen). Stops by itself after ``limit_s``."""
+
+    def __init__(self, server: MotoS3, bucket: str, prefix: str, limit_s: float = 120,
+                 interval_s: float = 0.05, **client_kwargs: str):
+        self.server, self.bucket, self.prefix = server, bucket, prefix
+        self.interval_s, self.client_kwargs = interval_s, client_kwargs
+        self.seen: list[str] = []
+        self.violations: list[str] = []
+        self._stop = threading.Event()
+        self._deadline = time.monotonic() + limit_s
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        import boto3
+        import botocore.exceptions as bx
+        from botocore.config import Config
+
+        client = boto3.client("s3", endpoint_url=self.server.endpoint, region_name="us-east-1",
+                              **self.client_kwargs, config=Config(retries={"total_max_attempts": 1}, connect_timeout=0.5,
+                                            read_timeout=2, s3={"addressing_style": "path"}))
+        while not self._stop.wait(self.interval_s) and time.monotonic() < self._deadline:
+            try:
+                obj = client.get_object(Bucket=self.bucket, Key=f"{self.prefix}/latest")
+                tag = obj["Body"].read().decode()
+            except (bx.ClientError, bx.BotoCoreError):
+                continue  # no `latest` yet, or the server is down
+            if not self.seen or self.seen[-1] != tag:
+                self.seen.append(tag)
+            try:
+                client.head_object(Bucket=self.bucket, Key=f"{self.prefix}/{tag}/manifest.json")
+            except bx.ClientError:
+                self.violations.append(tag)
+            except bx.BotoCoreError:
+                continue
+
+
 @pytest.fixture
 def s3_env(monkeypatch, tmp_path_factory):
     """Dummy credentials from the environment; no ~/.aws files, no AWS_PROFILE."""

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from provision import job, state
-from provision.config import GpuctlConfig, VastProvider
-from provision.errors import GpuctlError
-from provision.render import BundleNode, BundleSpec, render_bundle
+from provision.flows import job
+from provision.core import state
+from provision.core.config import GpuctlConfig, VastProvider
+from provision.core.errors import GpuctlError
+from provision.flows.render import BundleNode, BundleSpec, render_bundle
 from tests.fakes.harness import wait_until
 
 pytestmark = pytest.mark.timeout(120)

@@ -6,7 +6,7 @@ import json
 
 from typer.testing import CliRunner
 
-from provision.cli import app
+from provision.cli.app import app
 
 runner = CliRunner()
 SEED_7B = """

@@ -12,11 +12,11 @@ import urllib.request
 import boto3
 import pytest
 
-from provision.config import AWSProvider, load_config
-from provision.errors import AuthError, ConfigError, NoOfferError, ProviderError
+from provision.core.config import AWSProvider, load_config
+from provision.core.errors import AuthError, ConfigError, NoOfferError, ProviderError
 from provision.providers import aws, cloud
 from provision.providers.base import UpOptions
-from provision.state import ClusterRecord, NodeRecord
+from provision.core.state import ClusterRecord, NodeRecord
 from tests.fakes.harness import gpuctl, node_fields, write_config
 from tests.sshd import sshd  # noqa: F401 - fixture
 
@@ -61,7 +61,7 @@ def register_amis(client) -> str:
 
 def instance_key(sshd, cluster: str) -> None:  # noqa: F811
     """What EC2 + cloud-init do with the imported key pair: put it in the login's authorized_keys."""
-    from provision import mesh
+    from provision.transport.ssh import mesh
     from tests.fakes.harness import ssh_target
 
     ssh_target(sshd).add_key(mesh.cluster_keypair(cluster)[1])
@@ -78,7 +78,7 @@ def test_up_creates_what_the_design_says_and_down_removes_it(project, ec2, tmp_p
     write_config(project, provider(ec2, tmp_path, sshd), name="aws-t")
     instance_key(sshd, "aws-t")
     cfg = load_config(project / "gpuctl.yaml")
-    from provision import cluster
+    from provision.flows import cluster
 
     record = cluster.up(cfg, UpOptions(assume_yes=True, say=lambda _: None))
     node = record.nodes[0]

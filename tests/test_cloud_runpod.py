@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from provision.config import RunPodProvider, load_config
-from provision.errors import NoOfferError
+from provision.core.config import RunPodProvider, load_config
+from provision.core.errors import NoOfferError
 from provision.providers import cloud, runpod
 from provision.providers.base import UpOptions
 from tests.fakes.harness import assert_secret_absent, gpuctl, node_fields, ssh_target, wait_until, write_config
@@ -34,7 +34,7 @@ def provider(fake, tmp_path, **extra) -> dict:
 def up_in_process(project, fake, tmp_path, **extra):
     write_config(project, provider(fake, tmp_path, **extra), name="rp-t")
     cfg = load_config(project / "gpuctl.yaml")
-    from provision import cluster
+    from provision.flows import cluster
 
     return cfg, cluster.up(cfg, UpOptions(assume_yes=True, say=lambda _: None))
 

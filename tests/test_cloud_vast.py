@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from provision.config import VastProvider, load_config
-from provision.errors import ProviderError
+from provision.core.config import VastProvider, load_config
+from provision.core.errors import ProviderError
 from provision.providers import cloud, vast
 from provision.providers.base import UpOptions
 from tests.fakes.harness import (GPUCTL, assert_secret_absent, gpuctl, node_fields, ssh_target, wait_until,
@@ -43,7 +43,7 @@ def up_in_process(project, fake, tmp_path, **extra):
     write_config(project, provider(fake, tmp_path, **extra), name="vast-t")
     cfg = load_config(project / "gpuctl.yaml")
     said: list[str] = []
-    from provision import cluster
+    from provision.flows import cluster
 
     record = cluster.up(cfg, UpOptions(assume_yes=True, say=said.append))
     return cfg, record, said
@@ -196,7 +196,7 @@ def test_a_node_without_gpu_is_an_error_unless_cpu_fallback(project, fake, tmp_p
 
 
 def test_down_when_the_node_already_deleted_itself_mid_run(project, fake, tmp_path, state_dir):
-    from provision import state
+    from provision.core import state
 
     _cfg, record, _ = up_in_process(project, fake, tmp_path)
     state.save_run(state.RunRecord(run_id="r1", cluster=record.name, run_dir="/nowhere", bundle_dir="/nowhere",

@@ -9,9 +9,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from provision.cli import app
-from provision.config import GpuctlConfig, check_batch, load_config
-from provision.errors import ConfigError
+from provision.cli.app import app
+from provision.core.config import GpuctlConfig, check_batch, load_config
+from provision.core.errors import ConfigError
 
 runner = CliRunner()
 

@@ -92,7 +92,7 @@ def test_no_secrets_in_build_args_or_env():
 
 
 def test_copied_files_exist_and_are_in_the_build_context():
-    from provision.image import context_files
+    from provision.flows.image import context_files
 
     files = set(context_files(REPO, "Dockerfile"))
     for source in re.findall(r"^COPY (\S+)", DOCKERFILE, re.M):

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from provision import image
-from provision.cli import app
-from provision.errors import RemoteError
+from provision.flows import image
+from provision.cli.app import app
+from provision.core.errors import RemoteError
 from provision.providers.base import SelfTeardown
-from provision.ssh import SSHNode
+from provision.transport.ssh.node import SSHNode
 from tests.dockerd import BASE_IMAGE, laptop_docker, node_docker, rootfs_tar  # noqa: F401
 from tests.sshd import SSHD
 
@@ -119,7 +119,7 @@ def ok(result) -> str:
 
 def test_build_ship_run_in_docker_and_skip_the_second_ship(tmp_path, laptop, node_docker, node_sshd,  # noqa: F811
                                                           monkeypatch):
-    from provision.providers.ssh import SSHBackend
+    from provision.providers.ssh_hosts import SSHBackend
 
     # A secret the way cloud providers hand one over (self-teardown env): it must reach the
     # container without appearing on any command line or in the image.
@@ -163,7 +163,7 @@ def test_build_ship_run_in_docker_and_skip_the_second_ship(tmp_path, laptop, nod
 
 
 def wait_for_log(run_id: str, text: str, timeout: float = 60) -> None:
-    from provision import state
+    from provision.core import state
 
     log = Path(state.load_run(run_id).run_dir) / "job.log"
     deadline = time.monotonic() + timeout
@@ -175,7 +175,8 @@ def wait_for_log(run_id: str, text: str, timeout: float = 60) -> None:
 
 
 def test_failed_and_cancelled_runs_in_containers(tmp_path, laptop, node_sshd, node_docker):  # noqa: F811
-    from provision import job, state
+    from provision.flows import job
+    from provision.core import state
 
     cfg = project(tmp_path, node_sshd, env={"GPUCTL_TEST_EXIT": "3"})
     ok(runner.invoke(app, ["image", "build", "-c", str(cfg)]))
@@ -207,7 +208,7 @@ def test_failed_and_cancelled_runs_in_containers(tmp_path, laptop, node_sshd, no
 
 
 def test_build_on_the_node_from_a_streamed_context_then_skip(tmp_path, laptop, node, node_docker):  # noqa: F811
-    from provision.config import GpuctlConfig
+    from provision.core.config import GpuctlConfig
 
     ctx = write_context(tmp_path / "ctx", marker="built-there")
     cfg = GpuctlConfig.model_validate({"docker": {"context": str(ctx)}})

@@ -12,12 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from trainer.objstore import (
-    BackgroundUploader,
-    CheckpointStore,
-    StorageNotFound,
-    VerificationError,
-)
+from trainer.objstore.uploader import BackgroundUploader
+from trainer.objstore.store import CheckpointStore
+from trainer.objstore.backends import StorageNotFound, VerificationError
 
 try:
     from tests.s3server import s3_env, s3_server, venv_bin  # noqa: F401 (fixtures)

@@ -13,19 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from trainer.objstore import (
-    BackgroundUploader,
-    CheckpointStore,
-    StorageAuthError,
-    StorageError,
-    StorageUnavailable,
-    UploadError,
-)
+from trainer.objstore.uploader import BackgroundUploader
+from trainer.objstore.store import CheckpointStore
+from trainer.objstore.backends import StorageAuthError, StorageError, StorageUnavailable, UploadError
 
 try:
-    from tests.s3server import MotoS3, free_port, s3_env  # noqa: F401 (fixture)
+    from tests.s3server import LatestWatcher, MotoS3, free_port, s3_env  # noqa: F401 (fixture)
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    from s3server import MotoS3, free_port, s3_env  # noqa: F401
+    from s3server import LatestWatcher, MotoS3, free_port, s3_env  # noqa: F401
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -47,50 +42,6 @@ def make_ckpt(root: Path, big_mb: int) -> Path:
     for r in range(4):
         (root / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(os.urandom(4096))
     return root
-
-
-class LatestWatcher:
-    """Polls the store through a plain client; records any `latest` that names a tag
-    without a manifest (that must never happen). Stops by itself after ``limit_s``."""
-
-    def __init__(self, server: MotoS3, bucket: str, prefix: str, limit_s: float = 120):
-        self.server, self.bucket, self.prefix = server, bucket, prefix
-        self.seen: list[str] = []
-        self.violations: list[str] = []
-        self._stop = threading.Event()
-        self._deadline = time.monotonic() + limit_s
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        import boto3
-        import botocore.exceptions as bx
-        from botocore.config import Config
-
-        client = boto3.client("s3", endpoint_url=self.server.endpoint, region_name="us-east-1",
-                              config=Config(retries={"total_max_attempts": 1}, connect_timeout=0.5,
-                                            read_timeout=2, s3={"addressing_style": "path"}))
-        while not self._stop.wait(0.05) and time.monotonic() < self._deadline:
-            try:
-                obj = client.get_object(Bucket=self.bucket, Key=f"{self.prefix}/latest")
-                tag = obj["Body"].read().decode()
-            except (bx.ClientError, bx.BotoCoreError):
-                continue  # no `latest` yet, or the server is down
-            if not self.seen or self.seen[-1] != tag:
-                self.seen.append(tag)
-            try:
-                client.head_object(Bucket=self.bucket, Key=f"{self.prefix}/{tag}/manifest.json")
-            except bx.ClientError:
-                self.violations.append(tag)
-            except bx.BotoCoreError:
-                continue
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""provision.plan: DeepSpeed estimator parity, DeepSeek-7B on 3x4090 verdicts, JSON shape, gpu_check paths."""
+"""provision.estimate.plan: DeepSpeed estimator parity, DeepSeek-7B on 3x4090 verdicts, JSON shape, gpu_check paths."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from provision.plan import (KNOWN_MODELS, ModelDims, PlanError, PlanInput, find_gpu, plan, plan_to_json,
-                            render_plan_table, zero2_model_states_mem, zero3_model_states_mem)
+from provision.cli.views import plan_table
+from provision.estimate.plan import KNOWN_MODELS, ModelDims, PlanError, PlanInput, find_gpu, plan, plan_to_json, zero2_model_states_mem, zero3_model_states_mem
 
 ROOT = Path(__file__).resolve().parents[1]
 DEEPSEEK = dict(model="deepseek-7b", gpus_per_node=3, nodes=1, micro_batch=1, seq_len=2048,
@@ -171,7 +171,7 @@ def test_json_keys_and_roundtrip():
 def test_render_table_has_breakdown():
     from rich.console import Console
     console = Console(record=True, width=140)
-    console.print(render_plan_table(plan(PlanInput(**DEEPSEEK, offload_optimizer="cpu"))))
+    console.print(plan_table(plan(PlanInput(**DEEPSEEK, offload_optimizer="cpu"))))
     text = console.export_text()
     assert "FITS" in text and "weights" in text and "13.82" in text and "activations" in text
 
@@ -207,7 +207,7 @@ def test_all_stages_and_precisions_are_monotonic():
 
 
 def test_plan_module_never_imports_torch():
-    tree = ast.parse((ROOT / "provision" / "plan.py").read_text())
+    tree = ast.parse((ROOT / "provision" / "estimate" / "plan.py").read_text())
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert not imported & {"torch", "deepspeed", "transformers", "matplotlib"}

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from provision.errors import AuthError, ProviderError
+from provision.core.errors import AuthError, ProviderError
 from provision.providers import http
 from provision.providers.http import ApiNotFound, JsonApi, RetryPolicy, load_key
 from tests.fakes.base import ApiError, FakeApi

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from provision.cli import app
-from provision.config import GpuctlConfig
-from provision.render import BundleNode, BundleSpec, render_bundle
+from provision.cli.app import app
+from provision.core.config import GpuctlConfig
+from provision.flows.render import BundleNode, BundleSpec, render_bundle
 
 runner = CliRunner()
 SEED = """

@@ -1,4 +1,4 @@
-"""provision.report on synthetic run dirs: steady-state tokens/s, scaling efficiency, the PNG."""
+"""provision.estimate.report on synthetic run dirs: steady-state tokens/s, scaling efficiency, the PNG."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from provision.report import (ReportError, RunReportInput, default_skip, load_run_metrics, report_markdown,
-                              report_png, run_stats)
+from provision.estimate.report import ReportError, RunReportInput, default_skip, load_run_metrics, report_markdown, report_png, run_stats
 
 
 def write_run(run_dir: Path, tokens_per_s: list[float], *, step_time_s: list[float] | None = None,
@@ -139,6 +138,6 @@ def test_png_two_panels_expected_size(tmp_path):
 def test_report_module_imports_no_heavy_deps():
     import subprocess
     import sys
-    code = ("import sys, provision.report; bad = {'torch', 'deepspeed', 'transformers', 'matplotlib'} & "
+    code = ("import sys, provision.estimate.report; bad = {'torch', 'deepspeed', 'transformers', 'matplotlib'} & "
             "set(sys.modules); assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

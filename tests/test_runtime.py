@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from provision import image, job, runtime
-from provision.config import GpuctlConfig
-from provision.errors import ConfigError
-from provision.remote import CommandResult, Node
-from provision.state import ClusterRecord, NodeRecord
+from provision.flows import docker as runtime
+from provision.flows import image, job
+from provision.providers.base import resolve_runtime
+from provision.core.config import GpuctlConfig
+from provision.core.errors import ConfigError
+from provision.transport.remote import CommandResult, Node
+from provision.core.state import ClusterRecord, NodeRecord
 
 SECRET = "s3cr3t/Value+with$(chars)"
 REPO = Path(__file__).resolve().parents[1]
@@ -68,7 +70,7 @@ def test_cpu_node_gets_no_gpus_flag():
 
 
 def test_secret_is_not_on_the_command_line_or_in_launch_sh(tmp_path):
-    from provision.render import render_bundle
+    from provision.flows.render import render_bundle
 
     cfg = GpuctlConfig.model_validate({"provider": {"kind": "ssh", "hosts": ["root@10.0.0.1"]}})
     spec = spec_for(cfg, cluster(), {"VAST_API_KEY": SECRET})
@@ -104,12 +106,12 @@ def test_multinode_docker_is_a_clear_error():
     ("docker", "ssh", False, None, "docker"), ("image", "vast", False, "x", "image"),
 ])
 def test_runtime_resolution(requested, kind, docker, image_name, expected):
-    assert runtime.resolve(requested, kind, image=image_name, has_docker=lambda: docker) == expected
+    assert resolve_runtime(requested, kind, image=image_name, has_docker=lambda: docker) == expected
 
 
 def test_runtime_image_needs_an_image_provider():
     with pytest.raises(ConfigError, match="vast, runpod"):
-        runtime.resolve("image", "ssh")
+        resolve_runtime("image", "ssh")
 
 
 def test_cloud_provider_runtime_is_configurable():
@@ -201,7 +203,7 @@ esac
 def test_image_build_push_logs_in_with_stdin_and_out_again(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from provision.cli import app
+    from provision.cli.app import app
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -227,7 +229,7 @@ def test_image_build_push_logs_in_with_stdin_and_out_again(tmp_path, monkeypatch
 def test_dry_run_shows_the_docker_wrapper(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from provision.cli import app
+    from provision.cli.app import app
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "gpuctl.yaml").write_text(

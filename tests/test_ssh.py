@@ -19,12 +19,15 @@ import yaml
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from provision import cluster, mesh, sshconfig, state
-from provision.config import load_config
-from provision.errors import ConfigError, RemoteError
+from provision.flows import cluster
+from provision.transport.ssh import client_config as sshconfig
+from provision.transport.ssh import mesh
+from provision.core import state
+from provision.core.config import load_config
+from provision.core.errors import ConfigError, RemoteError
 from provision.providers.base import UpOptions
-from provision.providers.ssh import BACKEND, hostfile_names, stop_run_processes, Target
-from provision.ssh import ConnectError, SSHNode, forget_host, known_hosts_path, wait_for_ssh, walk_shipped
+from provision.providers.ssh_hosts import BACKEND, hostfile_names, stop_run_processes, Target
+from provision.transport.ssh.node import ConnectError, SSHNode, forget_host, known_hosts_path, wait_for_ssh, walk_shipped
 from tests.sshd import SSHD, fresh_sshd, sshd  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.timeout(120)
@@ -434,7 +437,7 @@ def test_ssh_command_for_local_cluster_is_refused(project, state_dir):
 
 
 def test_sftp_fast_paths_match_the_shell_versions(sshd, tmp_path):
-    from provision.remote import Node
+    from provision.transport.remote import Node
 
     node = node_for(sshd)
     log = tmp_path / "job.log"

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from provision import job, state
-from provision.config import GpuctlConfig
-from provision.errors import ConfigError
-from provision.render import rank_env, render_bundle
+from provision.flows import job
+from provision.core import state
+from provision.core.config import GpuctlConfig
+from provision.core.errors import ConfigError
+from provision.flows.render import rank_env, render_bundle
 
 
 def two_node_cluster(gpu: str | None, workdir: str = "/home/u/gpuctl") -> state.ClusterRecord:

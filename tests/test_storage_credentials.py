@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from provision import job, state
-from provision.config import GpuctlConfig
-from provision.credentials import storage_credentials
-from provision.errors import ConfigError, NotFoundError
-from provision.render import NODE_ENV, launcher_argv, render_bundle
+from provision.flows import job
+from provision.core import state
+from provision.core.config import GpuctlConfig
+from provision.core.credentials import storage_credentials
+from provision.core.errors import ConfigError, NotFoundError
+from provision.flows.render import NODE_ENV, launcher_argv, render_bundle
 
 try:
     from tests.s3server import s3_env  # noqa: F401 (fixture)
@@ -113,7 +114,7 @@ def test_bundle_carries_credentials_only_in_secrets_env(profile_env, tmp_path):
 def test_render_command_writes_no_credentials(profile_env, tmp_path):
     from typer.testing import CliRunner
 
-    from provision.cli import app
+    from provision.cli.app import app
 
     (tmp_path / "gpuctl.yaml").write_text(json.dumps({"provider": {"kind": "local"}, "storage": S3}))
     result = CliRunner().invoke(app, ["render", "-o", str(tmp_path / "out"), "-c", str(tmp_path / "gpuctl.yaml")])
@@ -170,7 +171,7 @@ def test_launch_sh_removes_secret_files_at_the_end(profile_env, tmp_path):
 
 # -- the laptop's resume check ---------------------------------------------------------------
 def _store_with(tmp_path: Path, tags: dict[str, int]):
-    from trainer.objstore import CheckpointStore
+    from trainer.objstore.store import CheckpointStore
 
     store = CheckpointStore.from_config({"url": str(tmp_path / "store")})
     for tag, world in tags.items():

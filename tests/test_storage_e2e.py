@@ -25,9 +25,9 @@ import pytest
 import yaml
 
 try:
-    from tests.s3server import MotoS3, venv_bin
+    from tests.s3server import LatestWatcher, MotoS3, venv_bin
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    from s3server import MotoS3, venv_bin
+    from s3server import LatestWatcher, MotoS3, venv_bin
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 pytest.importorskip("deepspeed")
@@ -54,10 +54,14 @@ def cli_env(home: Path, state: Path) -> dict[str, str]:
     return env
 
 
+TOOL_CREDS = {"aws_access_key_id": "AKIATOOLS", "aws_secret_access_key": "tools"}  # any key works on moto
+
+
 def tool_env() -> dict[str, str]:
     """For aws-cli / s5cmd / plain boto3: any key works against moto."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(AWS_ACCESS_KEY_ID="AKIATOOLS", AWS_SECRET_ACCESS_KEY="tools", AWS_DEFAULT_REGION="us-east-1",
+    env.update(AWS_ACCESS_KEY_ID=TOOL_CREDS["aws_access_key_id"],
+               AWS_SECRET_ACCESS_KEY=TOOL_CREDS["aws_secret_access_key"], AWS_DEFAULT_REGION="us-east-1",
                AWS_EC2_METADATA_DISABLED="true", AWS_CONFIG_FILE="/dev/null", AWS_SHARED_CREDENTIALS_FILE="/dev/null")
     return env
 
@@ -138,49 +142,6 @@ class ArgvWatch:
                     self.hits.append(argv.replace(b"\0", b" ").decode(errors="replace")[:200])
 
 
-class LatestWatch:
-    """Polls the bucket's `latest` through a plain client; any tag it names must have its
-    manifest (complete) at that moment. Tolerates the server being down."""
-
-    def __init__(self, server: MotoS3, bucket: str, prefix: str):
-        self.server, self.bucket, self.prefix = server, bucket, prefix
-        self.seen: list[str] = []
-        self.violations: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        import boto3
-        import botocore.exceptions as bx
-        from botocore.config import Config
-
-        client = boto3.client("s3", endpoint_url=self.server.endpoint, region_name="us-east-1",
-                              aws_access_key_id="AKIATOOLS", aws_secret_access_key="tools",
-                              config=Config(retries={"total_max_attempts": 1}, connect_timeout=0.5,
-                                            read_timeout=2, s3={"addressing_style": "path"}))
-        while not self._stop.wait(0.2):
-            try:
-                tag = client.get_object(Bucket=self.bucket, Key=f"{self.prefix}/latest")["Body"].read().decode()
-            except (bx.ClientError, bx.BotoCoreError):
-                continue  # no `latest` yet, or the server is down
-            if not self.seen or self.seen[-1] != tag:
-                self.seen.append(tag)
-            try:
-                client.head_object(Bucket=self.bucket, Key=f"{self.prefix}/{tag}/manifest.json")
-            except bx.ClientError:
-                self.violations.append(tag)
-            except bx.BotoCoreError:
-                continue
-
-
 def objects(server: MotoS3, bucket: str, prefix: str) -> dict[str, dict]:
     client = server.client()
     out = {}
@@ -217,7 +178,8 @@ class Reference:
 def reference(server, tmp_path_factory) -> Reference:
     bucket = server.make_bucket()
     project = make_project(tmp_path_factory.mktemp("ref") / "project", server, bucket)
-    with ArgvWatch() as argv, LatestWatch(server, bucket, "runs/e2e") as latest:
+    with ArgvWatch() as argv, LatestWatcher(server, bucket, "runs/e2e", limit_s=3600, interval_s=0.2,
+                                **TOOL_CREDS) as latest:
         train = project.gpuctl("train")
     run = project.newest_run()
     return Reference(project, bucket, "runs/e2e", run, losses(run["run_dir"]), train.stdout + train.stderr,
@@ -413,7 +375,8 @@ def test_storage_outage_mid_run(server, tmp_path):
     checkpoint is synced, and `latest` never names an incomplete checkpoint."""
     bucket = server.make_bucket()
     project = make_project(tmp_path / "project", server, bucket, max_steps=10, checkpoint_every=5)
-    with LatestWatch(server, bucket, "runs/e2e") as latest:
+    with LatestWatcher(server, bucket, "runs/e2e", limit_s=3600, interval_s=0.2,
+                                **TOOL_CREDS) as latest:
         run_id = project.gpuctl("train", "--detach").stdout.strip()
         run_dir = Path(json.loads((project.state / "runs" / f"{run_id}.json").read_text())["run_dir"])
         log = run_dir / "job.log"

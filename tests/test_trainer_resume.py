@@ -63,7 +63,7 @@ def test_resume_with_other_world_size_fails_clearly(tmp_path):
 @pytest.mark.timeout(600)
 def test_checkpoints_upload_prune_and_resume_from_store(tmp_path):
     pytest.importorskip("trainer.objstore")
-    from trainer.objstore import CheckpointStore
+    from trainer.objstore.store import CheckpointStore
 
     storage = {"url": (tmp_path / "store").as_uri(), "endpoint_url": None, "region": None, "profile": None, "keep": 3}
     first = h.make_run_dir(tmp_path / "first", world=WORLD, grad_accum=ACCUM, max_steps=STEPS, checkpoint_every=2,

@@ -12,8 +12,8 @@ pytest.importorskip("boto3")
 pytest.importorskip("moto")
 pytest.importorskip("transformers")
 
-from provision.config import load_config
-from provision.errors import ConfigError
+from provision.core.config import load_config
+from provision.core.errors import ConfigError
 from tests.s3server import HOST, free_port, s3_env  # noqa: F401 (fixture)
 from trainer.config import TrainerError
 from trainer.dataset import PackedTokens, cache_path, prepare_token_file, resolve_data

@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 
-from provision.config import GpuctlConfig
-from provision.render import BundleNode, BundleSpec, render_bundle
+from provision.core.config import GpuctlConfig
+from provision.flows.render import BundleNode, BundleSpec, render_bundle
 
 pytestmark = pytest.mark.timeout(180)
 

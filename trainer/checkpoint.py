@@ -39,7 +39,7 @@ def open_store(cfg: RunConfig, log: Callable[[str], None]):
     if not cfg.storage or not cfg.storage.get("url"):
         return None
     # light: no torch; boto3 only for s3://
-    from trainer.objstore import CheckpointStore
+    from trainer.objstore.store import CheckpointStore
 
     try:
         return CheckpointStore.from_config(cfg.storage, log=log)
@@ -66,7 +66,7 @@ class Checkpointer:
         self.uploader = None
         self.last_tag: str | None = None
         if store is not None and env.is_local_main:
-            from trainer.objstore import BackgroundUploader
+            from trainer.objstore.uploader import BackgroundUploader
 
             self.uploader = BackgroundUploader(store, env.node_rank, cfg.num_nodes)
 
@@ -92,7 +92,7 @@ class Checkpointer:
     def finish(self) -> None:
         """Final sync: wait for every upload of this node, prune, then meet the other ranks."""
         if self.uploader is not None:
-            from trainer.objstore import StorageError
+            from trainer.objstore.backends import StorageError
 
             self.log("waiting for checkpoint uploads to finish")
             try:
@@ -152,7 +152,7 @@ def fetch_from_store(cfg: RunConfig, env: DistEnv, store, log) -> tuple[Path, st
     """Local rank 0 of each node downloads the tag into checkpoints/; the others wait."""
     if store is None:
         raise TrainerError(f"resume {cfg.resume!r} needs object storage, but run.json has none")
-    from trainer.objstore import StorageError
+    from trainer.objstore.backends import StorageError
 
     dest = cfg.run_dir / CKPT_DIR
     error = None

@@ -25,11 +25,11 @@ import urllib.request
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from provision.config import AWSProvider
-from provision.errors import AuthError, ConfigError, NoOfferError, ProviderError
-from provision.providers.base import SelfTeardown
-from provision.providers.cloud import CloudBackend, Instance, Offer
-from provision.state import ClusterRecord
+from provision.core.config import AWSProvider
+from provision.core.errors import AuthError, ConfigError, NoOfferError, ProviderError
+from provision.providers.base import Offer, SelfTeardown
+from provision.providers.cloud import CloudBackend, Instance
+from provision.core.state import ClusterRecord
 
 TAG = "gpuctl-cluster"
 USER_TAG = "gpuctl-user"

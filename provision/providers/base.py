@@ -3,16 +3,30 @@
 A provider turns config into a recorded cluster (`up`), hands out a Node per machine
 (`nodes`), removes what it created (`down`, idempotent, verified against the provider's own
 list), and tells the node how to delete itself (`self_teardown`) for teardown after-train.
+
+What callers may rely on beyond that is declared, not probed with hasattr:
+- `terminates_nodes`: `down` deletes the machines (cloud). Then a node that cannot be reached
+  is no reason to stop: terminating it ends its runs anyway. False for machines gpuctl does
+  not own (local, ssh), whose processes `down` must stop itself.
+- `offers`: an OfferSource when the provider rents machines (`gpuctl offers`), else None.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, ClassVar, Protocol
 
-from provision.config import GpuctlConfig
-from provision.remote import Node
-from provision.state import ClusterRecord
+from provision.core.config import CloudProvider, GpuctlConfig
+from provision.core.errors import ConfigError
+from provision.core.state import ClusterRecord
+from provision.transport.remote import Node
+
+RUNTIMES = ("docker", "image", "none")
+IMAGE_PROVIDERS = ("vast", "runpod")  # the instance is created from the image
+DOCKER_PROVIDERS = ("aws",)  # a VM with a Docker engine (the Deep Learning AMI has one)
+DEFAULT_IMAGE = "ghcr.io/gpuctl/trainer:0.1.0"
+IMAGE_PYTHON = "python"  # the image's venv python, first on its PATH
 
 
 @dataclass
@@ -31,11 +45,74 @@ class SelfTeardown:
     env: dict[str, str] = field(default_factory=dict)
 
 
-class ProviderBackend(Protocol):
-    def up(self, cfg: GpuctlConfig, opts: UpOptions) -> ClusterRecord | None: ...
+@dataclass
+class Offer:
+    """One rentable machine shape at a price (per node)."""
 
-    def nodes(self, cluster: ClusterRecord) -> list[Node]: ...
+    id: str  # what launch() needs: a vast ask id, a runpod cloud type, an EC2 instance type
+    gpu_name: str
+    num_gpus: int
+    price_per_hour: float
+    ram_gb: float | None = None
+    disk_gb: float | None = None
+    where: str = ""
+    reliability: float | None = None
+    spot: bool = False
 
-    def down(self, cluster: ClusterRecord, say: Callable[[str], None]) -> None: ...
 
-    def self_teardown(self, cluster: ClusterRecord) -> SelfTeardown | None: ...
+class OfferSource(Protocol):
+    """What a renting provider answers for `gpuctl offers` (and uses itself in `up`)."""
+
+    def find_offers(self, prov: CloudProvider) -> list[Offer]:
+        """Rentable machines matching the provider's filters, cheapest first."""
+
+    def filters_text(self, prov: CloudProvider) -> str:
+        """The filters in words, for titles and 'no offer matches ...' messages."""
+
+
+class ProviderBackend(ABC):
+    terminates_nodes: ClassVar[bool] = False
+
+    @property
+    def offers(self) -> OfferSource | None:
+        return None
+
+    @abstractmethod
+    def up(self, cfg: GpuctlConfig, opts: UpOptions) -> ClusterRecord | None:
+        """Create or connect the cluster; None on a dry run."""
+
+    @abstractmethod
+    def nodes(self, cluster: ClusterRecord) -> list[Node]:
+        """One Node per machine, the first one first (it runs launch.sh)."""
+
+    @abstractmethod
+    def down(self, cluster: ClusterRecord, say: Callable[[str], None]) -> None:
+        """Remove what `up` created; idempotent."""
+
+    @abstractmethod
+    def self_teardown(self, cluster: ClusterRecord) -> SelfTeardown | None:
+        """What a node runs to delete itself (teardown after-train, budget cap); None: nothing to delete."""
+
+
+def resolve_runtime(requested: str, provider_kind: str, *, image: str | None = None,
+                    has_docker: Callable[[], bool] | None = None) -> str:
+    """The runtime to record for a cluster: none | docker | image.
+
+    auto: Vast/RunPod -> image; AWS -> docker; ssh -> docker when an image is configured and
+    the first node answers `docker version`, else none; local -> none.
+    """
+    if requested == "image" and provider_kind not in IMAGE_PROVIDERS:
+        raise ConfigError(f"provider.runtime image needs a provider that creates the node from an image "
+                          f"(vast, runpod), not {provider_kind}", "use runtime docker or none")
+    if requested != "auto":
+        if requested not in RUNTIMES:
+            raise ConfigError(f"provider.runtime {requested!r} is not auto, docker, image or none",
+                              "fix provider.runtime")
+        return requested
+    if provider_kind in IMAGE_PROVIDERS:
+        return "image"
+    if provider_kind in DOCKER_PROVIDERS:
+        return "docker"
+    if provider_kind == "ssh" and image and has_docker is not None and has_docker():
+        return "docker"
+    return "none"

@@ -21,12 +21,14 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from provision import mesh, runtime, state
-from provision.config import CloudProvider, check_batch
-from provision.errors import GpuctlError, NoOfferError, ProviderError
-from provision.providers.base import SelfTeardown, UpOptions
-from provision.remote import Node
-from provision.state import ClusterRecord, NodeRecord
+from provision.transport.ssh import mesh
+from provision.core import state
+from provision.core.config import CloudProvider, check_batch
+from provision.core.errors import GpuctlError, NoOfferError, ProviderError
+from provision.providers.base import (IMAGE_PYTHON, Offer, OfferSource, ProviderBackend, SelfTeardown, UpOptions,
+                                      resolve_runtime)
+from provision.transport.remote import Node
+from provision.core.state import ClusterRecord, NodeRecord
 
 POLL_S = 2.0
 GONE_TIMEOUT_S = 300.0
@@ -62,21 +64,6 @@ def call(url, body):
     return False
 sys.exit(0 if all([call(url, body) for url, body in calls]) else 1)
 """
-
-@dataclass
-class Offer:
-    """One rentable machine shape at a price (per node)."""
-
-    id: str  # what launch() needs: a vast ask id, a runpod cloud type, an EC2 instance type
-    gpu_name: str
-    num_gpus: int
-    price_per_hour: float
-    ram_gb: float | None = None
-    disk_gb: float | None = None
-    where: str = ""
-    reliability: float | None = None
-    spot: bool = False
-
 
 @dataclass
 class Instance:
@@ -115,9 +102,13 @@ def budget_hours(prov: CloudProvider, price_per_hour: float) -> float | None:
 
 # --- the shared flow ------------------------------------------------------------------------------
 
-class CloudBackend:
+class CloudBackend(ProviderBackend):
     kind = "cloud"
-    terminates_nodes = True  # down() removes the machines; cluster.down need not reach them first
+    terminates_nodes = True
+
+    @property
+    def offers(self) -> OfferSource:
+        return self  # find_offers and filters_text below
 
     # vendor calls, supplied by each provider module -----------------------------------------------
     def find_offers(self, prov: CloudProvider) -> list[Offer]:
@@ -178,10 +169,10 @@ class CloudBackend:
         if not opts.confirm(f"create {len(picks)} {self.kind} node(s) at ${price:.3f}/h?"):
             raise GpuctlError("not confirmed: nothing was created", "rerun `gpuctl up` and answer y, or pass --yes")
         _private, public_key = mesh.cluster_keypair(cfg.cluster_name)
-        mode = runtime.resolve(prov.runtime, self.kind, image=prov.image)  # vast/runpod: image; aws: docker
+        mode = resolve_runtime(prov.runtime, self.kind, image=prov.image)  # vast/runpod: image; aws: docker
         record = ClusterRecord(name=cfg.cluster_name, provider=self.kind, nodes=[], price_per_hour=price,
                                image=prov.image, runtime=mode, api_url=prov.api_url,
-                               python=runtime.IMAGE_PYTHON if mode == "docker" else prov.python,
+                               python=IMAGE_PYTHON if mode == "docker" else prov.python,
                                identity_file=str(mesh.key_dir(cfg.cluster_name) / "id_ed25519"),
                                budget_hours=cap, region=getattr(prov, "region", None))
         created: list[str] = []
@@ -221,7 +212,7 @@ class CloudBackend:
 
     # helpers -------------------------------------------------------------------------------------
     def ssh_node(self, cluster: ClusterRecord, node: NodeRecord, *, pin_new: bool = False) -> Node:
-        from provision.ssh import SSHNode
+        from provision.transport.ssh.node import SSHNode
 
         return SSHNode.from_record(node, cluster.identity_file, pin_new=pin_new, label=f"{cluster.name}/{node.host}")
 
@@ -240,7 +231,7 @@ class CloudBackend:
     def _ready(self, prov: CloudProvider, cluster: ClusterRecord, node: NodeRecord, deadline: float,
                say: Callable[[str], None]) -> None:
         """Vendor says running with an address -> SSH banner -> a command runs -> probe GPUs."""
-        from provision.ssh import ConnectError, wait_for_ssh
+        from provision.transport.ssh.node import ConnectError, wait_for_ssh
 
         seen = None
         while True:
@@ -342,7 +333,7 @@ class CloudBackend:
 
     def _forget(self, cluster: ClusterRecord) -> None:
         """Cloud addresses are reused: drop the nodes' pinned host keys and the cluster key."""
-        from provision.ssh import forget_host
+        from provision.transport.ssh.node import forget_host
 
         for node in cluster.nodes:
             if node.address:

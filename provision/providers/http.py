@@ -20,7 +20,7 @@ from typing import Any
 
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential, wait_random
 
-from provision.errors import AuthError, ConfigError, ProviderError
+from provision.core.errors import AuthError, ConfigError, ProviderError
 
 USER_AGENT = "gpuctl/0.1"
 

@@ -7,11 +7,11 @@ import subprocess
 import sys
 from typing import Callable
 
-from provision.config import GpuctlConfig, LocalProvider
-from provision.errors import ConfigError
-from provision.providers.base import SelfTeardown, UpOptions
-from provision.remote import LocalNode, Node
-from provision.state import ClusterRecord, NodeRecord, state_dir
+from provision.core.config import GpuctlConfig, LocalProvider
+from provision.core.errors import ConfigError
+from provision.providers.base import ProviderBackend, SelfTeardown, UpOptions
+from provision.transport.remote import LocalNode, Node
+from provision.core.state import ClusterRecord, NodeRecord, state_dir
 
 NODE_MODULES = ("torch", "deepspeed", "transformers")
 FIND_MODULES = "import importlib.util as u, sys; sys.exit(0 if all(u.find_spec(m) for m in sys.argv[1:]) else 1)"
@@ -33,7 +33,7 @@ def node_python(prov: LocalProvider) -> str:
     return shutil.which(prov.python) if prov.python else sys.executable
 
 
-class LocalBackend:
+class LocalBackend(ProviderBackend):
     def up(self, cfg: GpuctlConfig, opts: UpOptions) -> ClusterRecord | None:
         prov = cfg.provider
         assert isinstance(prov, LocalProvider)

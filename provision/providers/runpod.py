@@ -21,12 +21,12 @@ import json
 import re
 from pathlib import Path
 
-from provision.config import RunPodProvider
-from provision.errors import NoOfferError, ProviderError
-from provision.providers.base import SelfTeardown
-from provision.providers.cloud import CloudBackend, Instance, Offer, http_teardown, node_last
+from provision.core.config import RunPodProvider
+from provision.core.errors import NoOfferError, ProviderError
+from provision.providers.base import Offer, SelfTeardown
+from provision.providers.cloud import CloudBackend, Instance, http_teardown, node_last
 from provision.providers.http import JsonApi, load_key
-from provision.state import ClusterRecord
+from provision.core.state import ClusterRecord
 
 API_URL = "https://api.runpod.io/graphql"
 KEY_ENV = "RUNPOD_API_KEY"

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from provision.config import VastProvider
-from provision.errors import ProviderError
-from provision.providers.base import SelfTeardown
-from provision.providers.cloud import CloudBackend, Instance, Offer, http_teardown, node_last
+from provision.core.config import VastProvider
+from provision.core.errors import ProviderError
+from provision.providers.base import Offer, SelfTeardown
+from provision.providers.cloud import CloudBackend, Instance, http_teardown, node_last
 from provision.providers.http import ApiNotFound, JsonApi, load_key
-from provision.state import ClusterRecord
+from provision.core.state import ClusterRecord
 
 API_URL = "https://console.vast.ai/api/v0"
 KEY_ENV = "VAST_API_KEY"

@@ -1,0 +1,35 @@
+"""The gpuctl command line: one Typer app made of the command groups, behind one error boundary.
+
+Each group module holds its commands; heavy modules (boto3, paramiko, jinja2, pydantic models)
+are imported inside the commands so `gpuctl --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from provision.cli import boundary, ckpt, cluster, image, jobs, plan, report
+
+app = typer.Typer(help="Rent a few GPUs, train with DeepSpeed, sync checkpoints, tear down.",
+                  no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
+app.add_typer(cluster.app)
+app.add_typer(jobs.app)
+app.add_typer(plan.app)
+app.add_typer(report.app)
+app.add_typer(image.app, name="image")
+app.add_typer(ckpt.app, name="ckpt")
+boundary.guard_all(app)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

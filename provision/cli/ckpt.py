@@ -1,0 +1,74 @@
+"""Checkpoint commands: list what the store holds, pull one (optionally as a Hugging Face folder)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Optional
+
+import typer
+
+from provision.cli.options import ConfigOpt, JsonOpt, load, say
+
+if TYPE_CHECKING:
+    from provision.core.config import GpuctlConfig
+    from trainer.objstore.store import CheckpointStore
+
+app = typer.Typer(help="List and pull checkpoints from the run's storage.", no_args_is_help=True)
+
+
+def _store(config: Optional[Path]) -> tuple[CheckpointStore, GpuctlConfig]:
+    from trainer.objstore.store import CheckpointStore
+
+    cfg = load(config)
+    return CheckpointStore.from_config(cfg.storage_settings(), log=say), cfg
+
+
+@app.command("ls")
+def ls(config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
+    """Checkpoints in the store: tag, step, size, complete, time."""
+    store, _cfg = _store(config)
+    infos = store.list()
+    if as_json:
+        typer.echo(json.dumps([{"tag": i.tag, "step": i.step, "size": i.size, "complete": i.complete,
+                                "time": i.time, "world_size": i.world_size} for i in infos], indent=2))
+        return
+    from provision.cli.views import print_checkpoints
+
+    print_checkpoints(infos, store.latest())
+
+
+@app.command("pull")
+def pull(tag: Annotated[Optional[str], typer.Argument(help="tag (default: latest complete)")] = None,
+         config: ConfigOpt = None,
+         dest: Annotated[Path, typer.Option("--dest", "-d", help="where the ZeRO checkpoint goes")] = Path("checkpoints"),
+         hf: Annotated[Optional[Path], typer.Option("--hf", help="also write a Hugging Face model folder")] = None,
+         ) -> None:
+    """Download a checkpoint (verified), optionally as a from_pretrained-ready folder."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    store, cfg = _store(config)
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), transient=True) as bar:
+        task = bar.add_task("download", total=None)
+        info = store.download(tag, dest, progress=lambda done, total: bar.update(task, completed=done, total=total))
+    say(f"pulled {info.tag} (step {info.step}, {info.size / 1e6:,.1f} MB) into {dest}")
+    if hf is not None:
+        _export_hf(dest, info.tag, hf, cfg.train.model, cfg.train.tokenizer)
+
+
+def _export_hf(dest: Path, tag: str, out: Path, model: str, tokenizer: str | None) -> None:
+    """zero_to_fp32 + save_pretrained run in a child python: this process never imports torch."""
+    from provision.core.errors import ConfigError
+
+    probe = "import importlib.util as u, sys; sys.exit(0 if u.find_spec('torch') and u.find_spec('deepspeed') else 1)"
+    if subprocess.run([sys.executable, "-c", probe]).returncode != 0:
+        raise ConfigError("--hf needs torch and deepspeed here", "pip install 'gpuctl[train]'")
+    argv = [sys.executable, "-m", "trainer.export", str(dest), tag, str(out), "--model", model]
+    if tokenizer:
+        argv += ["--tokenizer", tokenizer]
+    if subprocess.run(argv).returncode != 0:
+        raise ConfigError(f"could not convert {tag} into a Hugging Face folder", "see the lines above")
+    say(f"wrote a Hugging Face model folder to {out}")

@@ -1,0 +1,116 @@
+"""Cluster commands: init, up, offers, down, ssh, forget-host, run (up + train + down)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from provision.cli.options import ClusterOpt, ConfigOpt, JsonOpt, YesOpt, cluster_name, confirmer, load, say
+
+app = typer.Typer()
+
+
+@app.command()
+def init(path: Annotated[Path, typer.Argument(help="where to write")] = Path("gpuctl.yaml"),
+         force: Annotated[bool, typer.Option(help="overwrite an existing file")] = False) -> None:
+    """Write a gpuctl.yaml for the local provider with every field present and commented."""
+    from provision.core.errors import ConfigError
+    from provision.flows.render import packaged_templates
+
+    if path.exists() and not force:
+        raise ConfigError(f"{path} exists", "pass --force to overwrite it")
+    path.write_text((packaged_templates() / "gpuctl.yaml").read_text())
+    say(f"wrote {path}; next: gpuctl up && gpuctl train")
+
+
+@app.command()
+def up(config: ConfigOpt = None, yes: YesOpt = False,
+       dry_run: Annotated[bool, typer.Option("--dry-run", help="show what would be created")] = False) -> None:
+    """Create (cloud) or connect (local, ssh) the cluster and record it."""
+    from provision.flows import cluster
+    from provision.providers.base import UpOptions
+
+    cluster.up(load(config), UpOptions(dry_run=dry_run, assume_yes=yes, confirm=confirmer(yes), say=say))
+
+
+@app.command()
+def offers(config: ConfigOpt = None, as_json: JsonOpt = False,
+           limit: Annotated[int, typer.Option(help="rows to show")] = 15) -> None:
+    """List the rentable machines that match the config's cloud provider, cheapest first."""
+    from dataclasses import asdict
+
+    from provision.core.errors import ConfigError
+    from provision.providers import backend
+
+    cfg = load(config)
+    provider = backend(cfg.provider.kind)
+    if provider.offers is None:
+        raise ConfigError(f"provider {cfg.provider.kind} rents nothing", "offers are for vast, runpod and aws")
+    rows = provider.offers.find_offers(cfg.provider)[:limit]
+    if as_json:
+        typer.echo(json.dumps([asdict(o) for o in rows], indent=2))
+        return
+    from provision.cli.views import print_offers
+
+    print_offers(rows, f"{cfg.provider.kind} offers {provider.offers.filters_text(cfg.provider)}")
+
+
+@app.command()
+def down(config: ConfigOpt = None, yes: YesOpt = False, cluster: ClusterOpt = None) -> None:
+    """Stop the cluster's runs and terminate or disconnect its machines."""
+    from provision.core import state
+    from provision.flows import cluster as clusters
+    from provision.providers import backend
+
+    name = cluster_name(config, cluster)
+    record = state.find_cluster(name)
+    if record and backend(record.provider).terminates_nodes and not yes:
+        if not confirmer(False)(f"terminate {len(record.nodes)} {record.provider} node(s) of {name}?"):
+            raise typer.Exit(1)
+    clusters.down(name, say)
+
+
+@app.command(context_settings={"allow_interspersed_args": False})
+def ssh(command: Annotated[Optional[list[str]], typer.Argument(
+            help="one argument: a shell command line; several: a command and its arguments, passed verbatim; "
+                 "none: a login shell")] = None,
+        node: Annotated[int, typer.Option("--node", "-n", help="node index (0 = first)")] = 0,
+        config: ConfigOpt = None, cluster: ClusterOpt = None) -> None:
+    """Open a shell (or run a command) on a node, checking the host key gpuctl pinned."""
+    import subprocess
+
+    from provision.transport.ssh.client_config import ssh_argv
+
+    raise typer.Exit(subprocess.call(ssh_argv(cluster_name(config, cluster), node, command or [])))
+
+
+@app.command("forget-host")
+def forget_host(host: Annotated[str, typer.Argument(help="host, host:port or user@host:port")]) -> None:
+    """Forget a host's pinned SSH key (after the machine was really reinstalled)."""
+    from provision.transport.ssh.node import forget_host as forget
+
+    removed = forget(host)
+    say(f"forgot {removed} pinned key(s) of {host}; the next `gpuctl up` pins the new one "
+        "(`gpuctl down` first if a cluster on it is still up)" if removed else f"no pinned key for {host}")
+
+
+@app.command("run")
+def run_all(config: ConfigOpt = None, yes: YesOpt = False) -> None:
+    """up + train + down in one: the cluster goes away whatever the run's result."""
+    from provision.cli.jobs import follow_to_end
+    from provision.flows import cluster, job
+    from provision.providers.base import UpOptions
+
+    cfg = load(config)
+    record = cluster.up(cfg, UpOptions(assume_yes=yes, confirm=confirmer(yes), say=say))
+    code = 1
+    try:
+        run = job.start_run(cfg, record, say=say)
+        code = follow_to_end(run)
+    finally:
+        if code != 130:  # detached by Ctrl-C: the run goes on, so does its cluster
+            cluster.down(cfg.cluster_name, say)
+    raise typer.Exit(code)

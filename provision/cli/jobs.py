@@ -1,0 +1,151 @@
+"""Run commands: train, render, status, logs, cancel."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Optional
+
+import typer
+
+from provision.cli.options import ClusterOpt, ConfigOpt, JsonOpt, RunArg, cluster_name, load, say
+
+if TYPE_CHECKING:
+    from provision.core.config import GpuctlConfig
+    from provision.core.state import ClusterRecord, RunRecord
+
+app = typer.Typer()
+
+
+def follow_to_end(run: RunRecord) -> int:
+    """Stream the run's log until it ends; its exit code, or 130 when Ctrl-C detached."""
+    from provision.flows import job
+
+    try:
+        status = job.follow(run, typer.echo)
+    except KeyboardInterrupt:
+        say(f"\ndetached; run {run.run_id} goes on. `gpuctl logs -f` reattaches, `gpuctl cancel` stops it")
+        return 130
+    say(f"run {run.run_id} {status.state}")
+    job.fetch_results(run)  # `gpuctl report` works after `down`
+    return job.exit_code_of(status)
+
+
+def _planned_or_recorded(cfg: GpuctlConfig) -> ClusterRecord:
+    from provision.core import state
+    from provision.flows.cluster import planned
+
+    return state.find_cluster(cfg.cluster_name) or planned(cfg)
+
+
+@app.command()
+def train(config: ConfigOpt = None,
+          detach: Annotated[bool, typer.Option("--detach", "-d", help="return once the run started")] = False,
+          dry_run: Annotated[bool, typer.Option("--dry-run", help="render and print, start nothing")] = False,
+          resume: Annotated[bool, typer.Option("--resume", help="continue from the store's latest checkpoint")] = False,
+          resume_from: Annotated[Optional[str], typer.Option(help="continue from this checkpoint TAG")] = None,
+          ) -> None:
+    """Run training on the cluster; follow the logs and exit with the run's exit code."""
+    from provision.core import state
+    from provision.core.config import check_batch
+    from provision.flows import job
+
+    cfg = load(config)
+    resume = resume_from or ("latest" if resume else None)
+    if dry_run:
+        _print_dry_run(cfg, resume)
+        return
+    check_batch(cfg.train, _planned_or_recorded(cfg).world_size)  # a config error comes first
+    run = job.start_run(cfg, state.load_cluster(cfg.cluster_name), resume=resume, say=say)
+    if detach:
+        typer.echo(run.run_id)
+        return
+    raise typer.Exit(follow_to_end(run))
+
+
+def _print_dry_run(cfg: GpuctlConfig, resume: Optional[str]) -> None:
+    """Render into a temp dir and print what would run where."""
+    import tempfile
+
+    from provision.flows import job
+    from provision.flows.render import render_bundle
+
+    cluster = _planned_or_recorded(cfg)
+    spec = job.bundle_spec(cfg, cluster, "dry-run", resume)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = render_bundle(cfg, spec, Path(tmp))
+        typer.echo(f"# would ship to {cluster.name} and run in {spec.run_dir}:")
+        for name in ("hostfile", "ds_config.json", "launch.sh"):
+            typer.echo(f"--- {name}\n{(out / name).read_text()}")
+
+
+@app.command()
+def render(output: Annotated[Path, typer.Option("--output", "-o", help="bundle folder to write")],
+           config: ConfigOpt = None) -> None:
+    """Write the run bundle (hostfile, ds_config.json, launch.sh, ...) without touching a machine."""
+    from provision.core.credentials import StorageCredentials
+    from provision.flows import job
+    from provision.flows.cluster import planned
+    from provision.flows.render import render_bundle
+
+    cfg = load(config)
+    # No storage credentials in a folder the user keeps: `gpuctl train` hands them over itself.
+    spec = job.bundle_spec(cfg, planned(cfg), "rendered", credentials=StorageCredentials())
+    spec.run_dir = str(output.resolve())
+    render_bundle(cfg, spec, output.resolve())
+    say(f"wrote {output}/: hostfile, ds_config.json, launch.sh, .deepspeed_env, run.json, lib/")
+
+
+@app.command()
+def status(run_id: RunArg = None, config: ConfigOpt = None, as_json: JsonOpt = False,
+           cluster: ClusterOpt = None) -> None:
+    """Show the cluster and the newest (or given) run."""
+    from provision.core import state
+    from provision.core.errors import NotFoundError, RemoteError
+    from provision.flows import job
+
+    name = cluster if (cluster or run_id) else cluster_name(config, None)
+    record = state.find_cluster(name) if name else None
+    try:
+        run = state.load_run(run_id, None if run_id else name)
+        result = job.read_status(run, job.node_of(run)) if state.find_cluster(run.cluster) else None
+    except NotFoundError:
+        run, result = None, None
+    except RemoteError as exc:  # e.g. a cloud node that tore itself down (teardown, budget cap)
+        say(f"warning: cannot reach the node ({exc.message}); showing the last recorded state. "
+            "A node that deleted itself is forgotten by `gpuctl down`")
+        result = None
+    info = {"cluster": state.dump(record) if record else None,
+            "run": result.to_json() if result else (state.dump(run) if run else None)}
+    if as_json:
+        typer.echo(json.dumps(info, indent=2))
+        return
+    from provision.cli.views import print_status
+
+    print_status(info)
+
+
+@app.command()
+def logs(run_id: RunArg = None, config: ConfigOpt = None,
+         follow: Annotated[bool, typer.Option("--follow", "-f", help="keep following until the run ends")] = False) -> None:
+    """Print a run's job.log; -f follows it (also after a dropped connection)."""
+    from provision.core import state
+    from provision.flows import job
+
+    run = state.load_run(run_id, None if run_id else cluster_name(config, None))
+    if follow:
+        raise typer.Exit(follow_to_end(run))
+    job.follow(run, typer.echo, until_end=False)
+
+
+@app.command()
+def cancel(run_id: RunArg = None, config: ConfigOpt = None) -> None:
+    """Stop a run through the process group launch.sh recorded."""
+    from provision.core import state
+    from provision.core.errors import RemoteError
+    from provision.flows import job
+
+    run = state.load_run(run_id, None if run_id else cluster_name(config, None))
+    if not job.cancel(run):
+        raise RemoteError(f"run {run.run_id} did not stop", "retry `gpuctl cancel`")
+    say(f"run {run.run_id} stopped")

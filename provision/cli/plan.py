@@ -1,0 +1,65 @@
+"""`gpuctl plan`: will the config fit, and how fast might it go (pure computation, no machine)."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Annotated, Any, Optional
+
+import typer
+
+from provision.cli.options import ConfigOpt, load_if_present
+
+if TYPE_CHECKING:
+    from provision.core.config import GpuctlConfig
+
+app = typer.Typer()
+
+
+@app.command()
+def plan(config: ConfigOpt = None,
+         model: Annotated[Optional[str], typer.Option(help="deepseek-7b, tiny, or an HF id gpuctl knows")] = None,
+         gpus: Annotated[Optional[int], typer.Option(help="GPUs per node")] = None,
+         nodes: Annotated[Optional[int], typer.Option(help="nodes")] = None,
+         gpu: Annotated[Optional[str], typer.Option(help="GPU model, e.g. 'RTX 4090', A100, H100")] = None,
+         gpu_mem: Annotated[Optional[float], typer.Option("--gpu-mem", help="GB per GPU")] = None,
+         zero_stage: Annotated[Optional[int], typer.Option("--zero-stage")] = None,
+         offload: Annotated[Optional[str], typer.Option(help="none | cpu")] = None,
+         micro_batch: Annotated[Optional[int], typer.Option("--micro-batch")] = None,
+         seq_len: Annotated[Optional[int], typer.Option("--seq-len")] = None,
+         checkpointing: Annotated[Optional[bool], typer.Option("--checkpointing/--no-checkpointing")] = None,
+         precision: Annotated[Optional[str], typer.Option(help="fp16 | bf16 | fp32")] = None,
+         as_json: Annotated[bool, typer.Option("--json", help="figures for scripts")] = False) -> None:
+    """GPU memory per rank, host RAM, fits or not, the closest config that fits, tokens/s."""
+    from provision.estimate.plan import PlanInput, plan_to_json
+    from provision.estimate.plan import plan as run_plan
+
+    base = plan_defaults(load_if_present(config))
+    flags = dict(model=model, gpus_per_node=gpus, nodes=nodes, gpu=gpu, gpu_mem_gb=gpu_mem,
+                 zero_stage=zero_stage, offload_optimizer=offload, micro_batch=micro_batch,
+                 seq_len=seq_len, gradient_checkpointing=checkpointing, precision=precision)
+    base.update({k: v for k, v in flags.items() if v is not None})
+    result = run_plan(PlanInput(**base))
+    if as_json:
+        typer.echo(json.dumps(plan_to_json(result), indent=2))
+        return
+    from rich.console import Console
+
+    from provision.cli.views import plan_table
+
+    Console().print(plan_table(result))
+
+
+def plan_defaults(cfg: GpuctlConfig | None) -> dict[str, Any]:
+    """The run's own gpuctl.yaml as plan input; DeepSeek-7B on 3x RTX 4090 without one."""
+    if cfg is None:
+        return {}
+    prov, train = cfg.provider, cfg.train
+    gpus = getattr(prov, "gpus_per_node", None) or getattr(prov, "cpu_ranks", None) or 1
+    out = dict(model=train.model, gpus_per_node=gpus, nodes=getattr(prov, "nodes", None) or
+               len(getattr(prov, "hosts", []) or [1]), zero_stage=train.zero_stage,
+               offload_optimizer=train.offload_optimizer, micro_batch=train.micro_batch,
+               seq_len=train.seq_len, gradient_checkpointing=train.gradient_checkpointing,
+               precision=train.precision)
+    if getattr(prov, "gpu", None):
+        out["gpu"] = prov.gpu
+    return out

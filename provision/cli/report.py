@@ -1,0 +1,46 @@
+"""`gpuctl report`: the seed article's table and a PNG of loss and tokens/s, from finished runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Optional
+
+import typer
+
+from provision.cli.options import say
+
+if TYPE_CHECKING:
+    from provision.estimate.report import RunReportInput
+
+app = typer.Typer()
+
+
+def _report_input(run_id: str | None) -> RunReportInput:
+    from provision.core import state
+    from provision.estimate.report import RunReportInput, load_run_metrics
+    from provision.flows import job
+
+    record = state.load_run(run_id)
+    metrics = load_run_metrics(job.fetch_results(record))
+    gpus = record.world_size if record.accelerator == "cuda" else 0
+    return RunReportInput(metrics=metrics, world_size=record.world_size, gpus=gpus,
+                          micro_batch=record.micro_batch, grad_accum=record.grad_accum,
+                          train_batch_size=record.train_batch_size)
+
+
+@app.command()
+def report(runs: Annotated[Optional[list[str]], typer.Argument(help="run ids (default: the newest)")] = None,
+           baseline: Annotated[Optional[str], typer.Option(help="1-GPU run id for scaling efficiency")] = None,
+           output: Annotated[Path, typer.Option("--output", "-o", help="folder for report.md and report.png")]
+           = Path("gpuctl-report")) -> None:
+    """A Markdown table like the seed article's and a PNG of loss and tokens/s over steps."""
+    from provision.estimate.report import report_markdown, report_png
+
+    inputs = [_report_input(r) for r in (runs or [None])]
+    base = _report_input(baseline) if baseline else None
+    output.mkdir(parents=True, exist_ok=True)
+    markdown = report_markdown(inputs, baseline=base)
+    (output / "report.md").write_text(markdown)
+    png = report_png(inputs + ([base] if base else []), output / "report.png")
+    typer.echo(markdown)
+    say(f"wrote {output / 'report.md'} and {png}")

@@ -1,0 +1,107 @@
+"""Every rich table gpuctl prints: status, offers, checkpoints, plan. Commands pass data in."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
+
+    from provision.estimate.plan import PlanResult
+    from trainer.objstore.store import CheckpointInfo
+
+
+def _ago(epoch: float | None) -> str:
+    if not epoch:
+        return "-"
+    secs = int(time.time() - epoch)
+    return f"{secs // 3600}h{secs % 3600 // 60:02d}m" if secs >= 3600 else f"{secs // 60}m{secs % 60:02d}s"
+
+
+def print_status(info: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    cluster = info.get("cluster")
+    if cluster:
+        table = Table("node", "slots", "accelerator", "address", title=f"cluster {cluster['name']} "
+                      f"({cluster['provider']}, up {_ago(cluster['created_at'])})")
+        for node in cluster["nodes"]:
+            table.add_row(node["host"], str(node["slots"]), node.get("gpu_name") or node["accelerator"],
+                          f"{node['address']}:{node['port']}")
+        console.print(table)
+        if cluster.get("price_per_hour"):
+            hours = (time.time() - cluster["created_at"]) / 3600
+            console.print(f"cost so far: ${cluster['price_per_hour'] * hours:.2f} "
+                          f"at ${cluster['price_per_hour']:.3f}/h")
+    else:
+        console.print("no cluster is up (gpuctl up)")
+    run = info.get("run")
+    if not run:
+        console.print("no run yet (gpuctl train)")
+        return
+    loss = run.get("final_loss")
+    tps = run.get("tokens_per_s")
+    console.print(f"run {run['run_id']}: [bold]{run.get('state')}[/bold]"
+                  f"  step {run.get('steps') or 0}/{run.get('max_steps')}"
+                  f"  loss {loss:.4f}" if isinstance(loss, (int, float)) else
+                  f"run {run['run_id']}: {run.get('state')}", highlight=False)
+    if isinstance(tps, (int, float)):
+        console.print(f"tokens/s {tps:,.0f}  world size {run.get('world_size')}"
+                      f"  batch {run.get('train_batch_size')}")
+
+
+def print_offers(offers: list, title: str) -> None:
+    """Cloud offers (providers.cloud.Offer), cheapest first; an empty list says so."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not offers:
+        console.print(f"no offer matches {title.split(' ', 2)[-1]}", highlight=False)
+        return
+    table = Table("offer", "GPUs", "$/h", "RAM GB", "disk GB", "where", "reliability", title=title)
+    for o in offers:
+        table.add_row(o.id, f"{o.num_gpus} x {o.gpu_name}", f"{o.price_per_hour:.3f}",
+                      f"{o.ram_gb:.0f}" if o.ram_gb else "-", f"{o.disk_gb:.0f}" if o.disk_gb else "-",
+                      o.where or "-", f"{o.reliability:.3f}" if o.reliability is not None else "-")
+    console.print(table)
+
+
+def print_checkpoints(infos: list[CheckpointInfo], latest: CheckpointInfo | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("tag", "step", "size", "complete", "time", "ranks")
+    for i in infos:
+        mark = " (latest)" if latest and latest.tag == i.tag else ""
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.time)) if i.time else "-"
+        table.add_row(i.tag + mark, str(i.step), f"{i.size / 1e6:,.1f} MB", "yes" if i.complete else "no",
+                      when, str(i.world_size or "-"))
+    Console().print(table if infos else "no checkpoints yet")
+
+
+def plan_table(result: PlanResult) -> RenderableType:
+    """A rich renderable: the per-rank breakdown, the verdict and the why lines."""
+    from rich.console import Group
+    from rich.table import Column, Table
+    from rich.text import Text
+
+    mem, inp, ok = result.memory, result.input, result.fits
+    where = f"{inp.gpus_per_node}x {result.gpu.name}" + (f" x {inp.nodes} nodes" if inp.nodes > 1 else "")
+    title = (f"{result.model.name} on {where}, ZeRO-{inp.zero_stage}, offload {inp.offload_optimizer}, "
+             f"{inp.precision}, micro {inp.micro_batch} x seq {inp.seq_len}"
+             f"{', checkpointing' if inp.gradient_checkpointing else ''}")
+    table = Table("per rank", Column("GB", justify="right"), title=title)
+    for label, gb in (("weights", mem.weights_gb), ("gradients", mem.grads_gb), ("optimizer states", mem.optimizer_gb),
+                      ("buffers", mem.buffers_gb), ("activations", mem.activations_gb),
+                      ("fragmentation", mem.fragmentation_gb), ("CUDA context", mem.cuda_context_gb)):
+        table.add_row(label, f"{gb:.2f}")
+    style = "bold " + ("green" if ok else "red")
+    table.add_row("total", f"{mem.total_gb:.2f} / {result.gpu_capacity_gb:g}", style=style)
+    table.add_row("host RAM per node", f"{result.host_ram_gb:.1f}")
+    table.add_row("tokens/s", f"{result.tokens_per_s_low:,.0f}-{result.tokens_per_s_high:,.0f}")
+    verdict = Text("FITS" if ok else "DOES NOT FIT", style=style)
+    return Group(table, verdict, *(Text(f"- {line}") for line in result.why))

@@ -1,0 +1,319 @@
+"""gpuctl.yaml -> typed, validated models. The batch arithmetic lives here.
+
+Every model forbids unknown keys: a typo must never be silently ignored.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path, PurePosixPath
+from typing import Annotated, Literal, Union
+from urllib.parse import urlparse
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from provision.core.errors import ConfigError
+
+CONFIG_NAME = "gpuctl.yaml"
+HOST_RE = re.compile(r"^(?:(?P<user>[A-Za-z0-9._-]+)@)?(?P<host>[A-Za-z0-9.:_-]+?)(?::(?P<port>\d{1,5}))?$")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class LocalProvider(Strict):
+    """This machine is the node: GPUs when nvidia-smi sees them, else CPU ranks over gloo."""
+
+    kind: Literal["local"] = "local"
+    gpus_per_node: int | None = Field(None, ge=1, description="GPUs to use; None = all visible")
+    cpu_ranks: int = Field(3, ge=1, le=64, description="ranks to start when there is no GPU")
+    python: str | None = Field(None, description="interpreter with torch+deepspeed; default: gpuctl's own")
+
+
+class SSHProvider(Strict):
+    """Machines you already have, reached over SSH."""
+
+    kind: Literal["ssh"] = "ssh"
+    hosts: list[str] = Field(..., min_length=1, description="user@host:port, one per node")
+    identity_file: str | None = Field(None, description="private key for the hosts")
+    gpus_per_node: int | None = Field(None, ge=1, description="None = what nvidia-smi reports")
+    cpu_ranks: int = Field(3, ge=1, le=64, description="ranks per node when a node has no GPU")
+    python: str = Field("python3", description="interpreter on the node with torch+deepspeed")
+    setup: str | None = Field(None, description="shell command run on the node before each job")
+    runtime: Literal["auto", "docker", "none"] = "auto"
+    image: str | None = Field(None, description="container image for runtime docker")
+    connect_timeout: float = Field(10, gt=0, le=600)
+    ready_timeout: float = Field(120, gt=0, le=3600, description="retry a booting node until then")
+    workdir: str | None = Field(None, description="node folder for run dirs (same path on every node); "
+                                "default <first node's $HOME>/gpuctl")
+    authorized_keys: str = Field("~/.ssh/authorized_keys", description="file the nodes' sshd reads keys "
+                                 "from; with 2+ hosts gpuctl adds the cluster's own key there for pdsh")
+
+    @field_validator("hosts")
+    @classmethod
+    def _hosts_parse(cls, hosts: list[str]) -> list[str]:
+        for host in hosts:
+            match = HOST_RE.match(host)
+            if not match or (match["port"] and not 0 < int(match["port"]) < 65536):
+                raise ValueError(f"host {host!r} is not user@host[:port]")
+        if len(set(hosts)) != len(hosts):
+            raise ValueError("hosts are listed twice")
+        return hosts
+
+
+class CloudProvider(Strict):
+    """Fields shared by the rented-machine providers."""
+
+    gpu: str = Field("RTX 4090", description="GPU model to rent")
+    gpus_per_node: int = Field(3, ge=1, le=16)
+    nodes: int = Field(1, ge=1, le=64)
+    min_ram_gb: float = Field(128, ge=0, description="host RAM; 7B + CPU optimizer offload needs >= 128")
+    disk_gb: float = Field(200, gt=0)
+    max_price: float | None = Field(None, gt=0, description="$/h per node ceiling")
+    max_hours: float | None = Field(None, gt=0, description="node tears itself down after this")
+    max_cost: float | None = Field(None, gt=0, description="node tears itself down after spending this")
+    image: str = Field("ghcr.io/gpuctl/trainer:0.1.0", description="container image for the node")
+    runtime: Literal["auto", "docker", "image", "none"] = Field(
+        "auto", description="auto: vast/runpod boot the image, aws runs it with docker")
+    api_url: str | None = Field(None, description="vendor API base (a proxy or test server); default the vendor's")
+    python: str = "python3"
+    ready_timeout: float = Field(900, gt=0, le=7200, description="seconds a new node has to answer SSH")
+    workdir: str | None = Field(None, description="node folder for run dirs; default $HOME/gpuctl")
+    cpu_ranks_fallback: int | None = Field(
+        None, ge=1, le=64, description="a node that shows no GPU runs this many CPU ranks (test stand-ins); "
+        "None: a node without a visible GPU is an error and is terminated")
+
+
+class VastProvider(CloudProvider):
+    kind: Literal["vast"] = "vast"
+    reliability: float = Field(0.98, ge=0, le=1)
+    verified: bool = True
+
+
+class RunPodProvider(CloudProvider):
+    kind: Literal["runpod"] = "runpod"
+    gpu: str = Field("NVIDIA GeForce RTX 4090", description="RunPod gpuTypeId")
+    cloud_type: Literal["SECURE", "COMMUNITY", "ALL"] = "ALL"
+    interruptible: bool = False
+    bid_per_gpu: float | None = Field(None, gt=0, description="spot bid $/h per GPU; default the current minimum")
+
+
+class AWSProvider(CloudProvider):
+    kind: Literal["aws"] = "aws"
+    gpu: str = "A10G"
+    gpus_per_node: int = Field(4, ge=1, le=16)
+    instance_type: str = "g5.12xlarge"
+    region: str = "us-east-1"
+    ami_name: str = "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) *"
+    ami_owner: str = Field("amazon", description="describe_images Owners: amazon, self, or an account id")
+    ami_id: str | None = Field(None, description="use this AMI instead of looking ami_name up")
+    key_name: str | None = Field(None, description="also let this existing EC2 key pair log in; gpuctl "
+                                 "itself always uses the cluster's own key (imported, or via user data)")
+    ssh_user: str = Field("ubuntu", description="login user of the AMI")
+    ssh_cidr: str | None = Field(None, description="who may reach port 22; default your public IP/32")
+    price_per_hour: float | None = Field(None, gt=0, description="$/h per node for cost and caps; "
+                                         "default gpuctl's on-demand table for the type")
+
+
+Provider = Annotated[
+    Union[LocalProvider, SSHProvider, VastProvider, RunPodProvider, AWSProvider],
+    Field(discriminator="kind"),
+]
+
+
+class TrainConfig(Strict):
+    """What to train and how. train_batch_size = micro_batch x grad_accum x world size."""
+
+    model: str = Field("tiny", description="'tiny' (CPU-sized DeepSeek shape), an HF id, or a local path")
+    tokenizer: str | None = Field(None, description="default: the model's own")
+    data: str = Field("sample", description="'sample' (shipped), or a .txt/.jsonl/.parquet path")
+    seq_len: int = Field(128, ge=8, le=131072)
+    micro_batch: int = Field(1, ge=1, le=4096)
+    grad_accum: int = Field(4, ge=1, le=4096)
+    train_batch_size: int | None = Field(None, ge=1, description="optional; must equal the product")
+    precision: Literal["fp16", "bf16", "fp32"] = "fp32"
+    zero_stage: int = Field(2, ge=0, le=3)
+    offload_optimizer: Literal["none", "cpu"] = "cpu"
+    lr: float = Field(1e-3, gt=0, le=1)
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, ge=0)
+    max_steps: int = Field(30, ge=1)
+    checkpoint_every: int = Field(10, ge=0, description="0 = only at the end")
+    keep_local: int = Field(2, ge=1, description="checkpoints kept on the node's disk")
+    seed: int = Field(1234, ge=0)
+    gradient_checkpointing: bool = False
+    log_every: int = Field(1, ge=1)
+    tensorboard: bool = Field(False, description="DeepSpeed's TensorBoard monitor -> <run dir>/tensorboard/ "
+                                                 "(needs the tensorboard package on the node)")
+
+    @model_validator(mode="after")
+    def _warmup_fits(self) -> "TrainConfig":
+        if self.warmup_steps > self.max_steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) exceeds max_steps ({self.max_steps})")
+        return self
+
+
+class StorageConfig(Strict):
+    url: str = Field("./gpuctl-storage", description="file:///abs, a path, or s3://bucket/prefix")
+    endpoint_url: str | None = Field(None, description="S3-compatible endpoint (R2, MinIO)")
+    region: str | None = None
+    profile: str | None = Field(None, description="AWS profile on the laptop")
+    keep: int = Field(3, ge=1, description="newest complete checkpoints kept in the store")
+
+    @field_validator("url")
+    @classmethod
+    def _url_scheme(cls, url: str) -> str:
+        scheme = urlparse(url).scheme
+        if scheme not in ("", "file", "s3"):
+            raise ValueError(f"url scheme {scheme!r} is not supported; use file:// or s3://")
+        if scheme == "s3" and not urlparse(url).netloc:
+            raise ValueError("s3 url needs a bucket: s3://bucket/prefix")
+        return url
+
+
+class DockerConfig(Strict):
+    """How runtime docker gets the image to a node and runs the launcher in it."""
+
+    ship: Literal["auto", "pull", "load", "build"] = Field(
+        "auto", description="pull: from the registry; load: docker save | ssh | docker load of the "
+        "laptop's copy; build: build on the node; auto: load when the laptop has the image, else pull")
+    shm_size: str = Field("16g", pattern=r"^[0-9]+[bkmgBKMG]?$", description="docker run --shm-size")
+    ulimits: list[str] = Field(["memlock=-1", "stack=67108864"],
+                               description="docker run --ulimit values (NVIDIA's recommendation for training)")
+    mounts: list[str] = Field(default_factory=list, description="extra docker run -v SRC:DST[:ro]")
+    run_args: list[str] = Field(default_factory=list, description="extra docker run arguments")
+    context: str | None = Field(None, description="build context (default: gpuctl's own source tree)")
+    dockerfile: str = Field("Dockerfile", description="relative to the build context")
+
+
+class GpuctlConfig(Strict):
+    name: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9-]{0,39}$", description="cluster name")
+    provider: Provider = Field(default_factory=LocalProvider)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    teardown: Literal["never", "after-train"] = "never"
+    docker: DockerConfig = Field(default_factory=DockerConfig)
+    env: dict[str, str] = Field(default_factory=dict, description="extra env for the ranks")
+
+    # Where the file was read from; relative paths resolve against it.
+    base_dir: Path = Field(default_factory=Path.cwd, exclude=True)
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        for key in env:
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key):
+                raise ValueError(f"env name {key!r} is not a valid variable name")
+        return env
+
+    @property
+    def cluster_name(self) -> str:
+        if self.name:
+            return self.name
+        slug = re.sub(r"[^a-z0-9-]+", "-", self.base_dir.name.lower()).strip("-")[:30]
+        return f"{self.provider.kind}-{slug or 'default'}"
+
+    def data_path(self) -> Path | None:
+        """The local data file to ship, or None for the built-in sample / remote data."""
+        if self.train.data == "sample" or self.train.data.startswith("s3://"):
+            return None
+        return (self.base_dir / self.train.data).resolve()
+
+    def storage_settings(self, *, for_node: bool = False) -> dict[str, object]:
+        """`storage` as trainer.objstore's CheckpointStore.from_config reads it, url made absolute.
+
+        for_node: without the laptop's AWS profile (the node has none; its credentials come
+        in secrets.env)."""
+        settings = self.storage.model_dump()
+        settings["url"] = self.storage_url()
+        if for_node:
+            settings["profile"] = None
+        return settings
+
+    def storage_url(self) -> str:
+        """The storage url with a bare path made absolute against the config's folder."""
+        if urlparse(self.storage.url).scheme:
+            return self.storage.url
+        return (self.base_dir / self.storage.url).resolve().as_uri()
+
+
+def world_size(cfg: GpuctlConfig, slots_per_node: list[int]) -> int:
+    return sum(slots_per_node)
+
+
+def check_batch(train: TrainConfig, world: int) -> int:
+    """train_batch_size = micro_batch x grad_accum x world; a disagreeing user value is an error."""
+    product = train.micro_batch * train.grad_accum * world
+    if train.train_batch_size is not None and train.train_batch_size != product:
+        raise ConfigError(
+            f"train.train_batch_size is {train.train_batch_size} but micro_batch {train.micro_batch}"
+            f" x grad_accum {train.grad_accum} x {world} ranks = {product}",
+            "set train_batch_size to the product, or remove it and let gpuctl compute it",
+        )
+    return product
+
+
+def _format_validation(err: ValidationError, path: Path) -> ConfigError:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"] if not str(p).endswith("Provider")) or "(top level)"
+    # Discriminated unions put the kind into loc; drop those, keep the field path.
+    where = re.sub(r"\.(local|ssh|vast|runpod|aws)(?=\.|$)", "", where, count=1)
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        msg, fix = "unknown key", "remove it or fix its spelling (see `gpuctl init` for every key)"
+    elif first["type"] == "union_tag_invalid":
+        msg, fix = "unknown provider kind", "use one of local, ssh, vast, runpod, aws"
+    else:
+        fix = f"correct {where} in {path.name}"
+    more = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    return ConfigError(f"{path}: {where}: {msg}{more}", fix)
+
+
+def load_config(path: Path | None = None) -> GpuctlConfig:
+    """Read and validate gpuctl.yaml (cwd by default). Raises ConfigError with one clear line."""
+    path = Path(path) if path else Path.cwd() / CONFIG_NAME
+    if not path.is_file():
+        raise ConfigError(f"no config at {path}", "run `gpuctl init` or pass -c PATH")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}:{where} is not valid YAML ({getattr(exc, 'problem', exc)})",
+                          "fix the YAML syntax") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of keys", "see `gpuctl init`")
+    try:
+        cfg = GpuctlConfig.model_validate({**raw, "base_dir": path.parent.resolve()})
+    except ValidationError as err:
+        raise _format_validation(err, path) from None
+    _check_files(cfg, path)
+    return cfg
+
+
+def _check_files(cfg: GpuctlConfig, path: Path) -> None:
+    data = cfg.data_path()
+    if data is not None and not data.is_file():
+        raise ConfigError(f"{path}: train.data: file {data} does not exist",
+                          "point train.data at a .txt/.jsonl/.parquet file, or use 'sample'")
+    if data is not None and data.suffix not in (".txt", ".jsonl", ".parquet"):
+        raise ConfigError(f"{path}: train.data: {data.name} is not .txt, .jsonl or .parquet",
+                          "convert the data or use 'sample'")
+    remote = cfg.train.data if cfg.train.data.startswith("s3://") else None
+    if remote is not None and PurePosixPath(urlparse(remote).path).suffix not in (".txt", ".jsonl", ".parquet"):
+        raise ConfigError(f"{path}: train.data: {remote} is not a .txt, .jsonl or .parquet object",
+                          "point train.data at s3://bucket/path/file.jsonl (or .txt / .parquet)")
+    model = cfg.train.model
+    if model.startswith((".", "/", "~")) and not Path(model).expanduser().exists():
+        raise ConfigError(f"{path}: train.model: {model} does not exist", "give an HF id or a model folder")
+    prov = cfg.provider
+    if isinstance(prov, SSHProvider) and prov.identity_file:
+        if not Path(prov.identity_file).expanduser().is_file():
+            raise ConfigError(f"{path}: provider.identity_file: {prov.identity_file} does not exist",
+                              "point it at your SSH private key")
+    if isinstance(prov, LocalProvider) and prov.python and not shutil.which(prov.python):
+        raise ConfigError(f"{path}: provider.python: {prov.python} not found", "give a python with torch")

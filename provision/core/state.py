@@ -1,0 +1,181 @@
+"""What clusters and runs exist, on disk, written atomically.
+
+Layout under the state dir (GPUCTL_STATE_DIR, else platformdirs' user state dir):
+  clusters/<name>.json   one ClusterRecord per cluster we created or connected to
+  runs/<run_id>.json     one RunRecord per run started
+  runs/<run_id>/         the rendered bundle as shipped
+  lock                   a filelock held while reading-modifying-writing records
+Two gpuctl processes at once are safe: every update takes the lock and replaces the file
+with os.replace, so a reader sees the old record or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from pydantic import BaseModel, Field
+
+from provision.core.errors import NotFoundError
+
+STATE_ENV = "GPUCTL_STATE_DIR"
+
+
+class NodeRecord(BaseModel):
+    host: str  # the name used in the hostfile
+    address: str = "localhost"  # where SSH reaches it
+    port: int = 22
+    user: str | None = None
+    slots: int = 1
+    accelerator: str = "cpu"  # cpu | cuda
+    gpu_name: str | None = None
+    instance_id: str | None = None
+    workdir: str = ""  # the node-side root for run dirs
+
+
+class ClusterRecord(BaseModel):
+    name: str
+    provider: str
+    created_at: float = Field(default_factory=time.time)
+    nodes: list[NodeRecord]
+    price_per_hour: float | None = None  # all nodes together
+    image: str | None = None
+    runtime: str = "none"  # none | docker | image
+    python: str = "python3"
+    identity_file: str | None = None  # SSH private key for the nodes (None: agent / default keys)
+    # Cloud providers: where the vendor API is (api_url override, AWS region) so that `down`
+    # and self-teardown work from the record alone, without the config.
+    api_url: str | None = None
+    region: str | None = None
+    budget_hours: float | None = None  # the node tears itself down this long after created_at
+
+    @property
+    def world_size(self) -> int:
+        return sum(n.slots for n in self.nodes)
+
+
+class RunRecord(BaseModel):
+    run_id: str
+    cluster: str
+    created_at: float = Field(default_factory=time.time)
+    run_dir: str  # on the first node
+    bundle_dir: str  # local copy of what was shipped
+    world_size: int
+    train_batch_size: int
+    micro_batch: int
+    grad_accum: int
+    max_steps: int
+    accelerator: str = "cpu"  # cpu | cuda, of the first node
+    state: str = "starting"
+    exit_code: int | None = None
+    pgid: int | None = None
+
+
+def state_dir() -> Path:
+    env = os.environ.get(STATE_ENV)
+    if env:
+        root = Path(env)
+    else:
+        from platformdirs import user_state_dir
+
+        root = Path(user_state_dir("gpuctl"))
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+@contextmanager
+def locked() -> Iterator[Path]:
+    from filelock import FileLock
+
+    root = state_dir()
+    with FileLock(str(root / "lock"), timeout=60):
+        yield root
+
+
+def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _save(kind: str, key: str, record: BaseModel) -> None:
+    with locked() as root:
+        write_atomic(root / kind / f"{key}.json", record.model_dump_json(indent=2) + "\n")
+
+
+def save_cluster(record: ClusterRecord) -> None:
+    _save("clusters", record.name, record)
+
+
+def save_run(record: RunRecord) -> None:
+    _save("runs", record.run_id, record)
+
+
+def load_cluster(name: str) -> ClusterRecord:
+    path = state_dir() / "clusters" / f"{name}.json"
+    if not path.is_file():
+        raise NotFoundError(f"cluster {name!r} is not up", "run `gpuctl up` first")
+    return ClusterRecord.model_validate_json(path.read_text())
+
+
+def find_cluster(name: str) -> ClusterRecord | None:
+    try:
+        return load_cluster(name)
+    except NotFoundError:
+        return None
+
+
+def delete_cluster(name: str) -> None:
+    with locked() as root:
+        (root / "clusters" / f"{name}.json").unlink(missing_ok=True)
+
+
+def list_clusters() -> list[ClusterRecord]:
+    folder = state_dir() / "clusters"
+    return [ClusterRecord.model_validate_json(p.read_text()) for p in sorted(folder.glob("*.json"))]
+
+
+def list_runs(cluster: str | None = None) -> list[RunRecord]:
+    folder = state_dir() / "runs"
+    runs = [RunRecord.model_validate_json(p.read_text()) for p in folder.glob("*.json")]
+    runs = [r for r in runs if cluster is None or r.cluster == cluster]
+    return sorted(runs, key=lambda r: r.created_at)
+
+
+def load_run(run_id: str | None, cluster: str | None = None) -> RunRecord:
+    """A run by id, or the newest run (of the cluster, when given)."""
+    if run_id:
+        path = state_dir() / "runs" / f"{run_id}.json"
+        if not path.is_file():
+            raise NotFoundError(f"no run {run_id!r}", "see `gpuctl status` for the runs")
+        return RunRecord.model_validate_json(path.read_text())
+    runs = list_runs(cluster)
+    if not runs:
+        raise NotFoundError("no run yet", "start one with `gpuctl train`")
+    return runs[-1]
+
+
+def update_run(run_id: str, **changes: object) -> RunRecord:
+    with locked() as root:
+        path = root / "runs" / f"{run_id}.json"
+        record = RunRecord.model_validate_json(path.read_text()).model_copy(update=changes)
+        write_atomic(path, record.model_dump_json(indent=2) + "\n")
+    return record
+
+
+def dump(record: BaseModel) -> dict:
+    return json.loads(record.model_dump_json())

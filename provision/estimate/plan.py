@@ -1,0 +1,429 @@
+"""`gpuctl plan`: will this model train on these GPUs, and how fast? (laptop side, pure Python).
+
+GB below are 10**9 bytes (so 6.91e9 params x 2 bytes = 13.8 GB). `gpu_mem_gb` is compared in the same
+unit; a "24 GB" RTX 4090 really has 24 GiB = 25.8 GB, which leaves ~1.8 GB of slack for the driver.
+
+Per-rank GPU memory = model states + buffers + activations + fragmentation + CUDA context.
+
+* Model states mirror DeepSpeed 0.19's `estimate_zero2_model_states_mem_needs` (stage_1_and_2.py) and
+  `estimate_zero3_model_states_mem_needs` (stage3.py); for 16-bit ZeRO-2/3 the totals are equal to theirs
+  (tests/test_plan.py compares). Bytes/param: 2 fp16 weights; 18/N without offload = 2 fp16 grads +
+  4 fp32 grads + 4 fp32 master + 8 Adam m/v. ZeRO-2 keeps the full fp16 weights on every rank; only
+  ZeRO-3 partitions them (and holds 4 x largest layer gathered). Stages 0/1 and fp32 use the same accounting.
+* Buffers (DeepSpeed stage_1_and_2.py): the gradient reduce bucket (reduce_bucket_size elements, x2 with
+  overlap_comm), with offload the GPU staging buffer `temp_grad_buffer_for_gpu_offload` (largest tensor),
+  plus the transient dense gradient of that largest tensor (the embedding / lm_head).
+* Activations, per micro-batch b x seq s, hidden h, FFN I, L layers, 16-bit: Korthikanti et al. 2022,
+  "Reducing Activation Recomputation in Large Transformer Models" (arXiv:2205.05198) count 34sbh + 5as^2b
+  bytes per GPT layer. Re-done for Llama (no dropout, RMSNorm, SwiGLU, SDPA/flash attention so no s^2
+  term): attention saves norm input 2sbh + QKV input 2sbh + Q 2sbh + K,V 4sbh*kv/heads + output 2sbh;
+  the MLP saves norm input 2sbh + gate/up input 2sbh + gate, silu(gate), up, product 8sbI:
+      per layer = sbh(12 + 4 kv/heads) + 8sbI      (= 16sbh + 8sbI for multi-head attention)
+  eager attention adds Korthikanti's 5as^2b. Head: 4sbh + 10sbV (fp16 logits 2 + fp32 log-softmax 4 +
+  fp32 grad 4, as HF upcasts logits for the loss). Full recomputation (Korthikanti sec. 4) keeps 2sbh per
+  layer and recomputes one layer at a time: L*2sbh + one layer + head.
+* Throughput: N x peak x utilisation / FLOPs per token, 6 x params per token (Kaplan et al. 2020), x 8/6
+  with checkpointing (the forward runs twice). Utilisation 25-45% is the assumption, not a measurement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+GB = 1e9
+
+
+class PlanError(ValueError):
+    """An invalid planner input (the message says which field and why)."""
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Llama-architecture dimensions (no biases, RMSNorm, SwiGLU MLP)."""
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    intermediate: int
+    vocab: int
+    kv_heads: int | None = None  # None: multi-head attention (= heads)
+    tied_embeddings: bool = False
+
+    @property
+    def params(self) -> int:
+        kv_dim = (self.kv_heads or self.heads) * (self.hidden // self.heads)
+        attn = 2 * self.hidden * self.hidden + 2 * self.hidden * kv_dim
+        mlp = 3 * self.hidden * self.intermediate
+        embed = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        return self.layers * (attn + mlp + 2 * self.hidden) + embed + self.hidden
+
+    @property
+    def largest_layer_params(self) -> int:
+        """Largest module's own params, as DeepSpeed's model_to_params counts it (one weight for Llama)."""
+        return max(self.vocab * self.hidden, self.hidden * self.intermediate, self.hidden * self.hidden)
+
+
+_DEEPSEEK_7B = ModelDims("deepseek-7b", layers=30, hidden=4096, heads=32, intermediate=11008, vocab=102400)
+KNOWN_MODELS: dict[str, ModelDims] = {
+    "deepseek-7b": _DEEPSEEK_7B,
+    "deepseek-ai/deepseek-llm-7b-base": _DEEPSEEK_7B,
+    "tiny": ModelDims("tiny", layers=4, hidden=128, heads=4, intermediate=344, vocab=259),  # trainer: bytes + 3
+}
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    name: str
+    peak_tflops_16bit: float  # dense fp16/bf16 tensor-core, fp32 accumulate
+    peak_tflops_fp32: float   # plain fp32 (no TF32)
+    mem_gb: float
+    source: str
+
+
+GPU_TABLE: tuple[GpuSpec, ...] = (
+    GpuSpec("RTX 4090", 165.2, 82.6, 24, "NVIDIA Ada Lovelace GPU architecture whitepaper (330.4 with sparsity)"),
+    GpuSpec("H200", 989.0, 66.9, 141, "NVIDIA H200 datasheet (1,979 with sparsity; same SXM core as H100)"),
+    GpuSpec("H100 PCIe", 756.0, 51.2, 80, "NVIDIA H100 datasheet, PCIe column (1,513 with sparsity)"),
+    GpuSpec("H100", 989.0, 66.9, 80, "NVIDIA H100 datasheet, SXM column (1,979 with sparsity)"),
+    GpuSpec("A100", 312.0, 19.5, 80, "NVIDIA A100 datasheet (624 with sparsity)"),
+    GpuSpec("A10G", 125.0, 31.2, 24, "NVIDIA A10 datasheet (AWS's A10G has no separate NVIDIA figure)"),
+    GpuSpec("L4", 121.0, 30.3, 24, "NVIDIA L4 datasheet (242 with sparsity)"),
+)
+
+
+def _norm(s: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", s.lower().replace("nvidia", "").replace("geforce", ""))
+
+
+def find_gpu(name: str) -> GpuSpec:
+    """Match a marketing or `torch.cuda.get_device_name()` name ("NVIDIA GeForce RTX 4090", "NVIDIA H200")."""
+    key = _norm(name)
+    for spec in GPU_TABLE:  # ordered so "H100 PCIe" is tried before "H100"
+        if _norm(spec.name) in key:
+            size = re.search(r"(\d+)\s*gb", name.lower())
+            return replace(spec, mem_gb=float(size.group(1))) if size else spec
+    known = ", ".join(s.name for s in GPU_TABLE)
+    raise PlanError(f"unknown GPU {name!r}: known are {known}")
+
+
+# --- DeepSpeed's estimators, mirrored formula for formula (deepspeed 0.19.8) ---------------------
+def zero2_model_states_mem(total_params: int, num_gpus_per_node: int = 1, num_nodes: int = 1,
+                           cpu_offload: bool = True, additional_buffer_factor: float = 1.5) -> tuple[int, int]:
+    """(cpu_bytes, gpu_bytes) exactly as deepspeed...stage_1_and_2.estimate_zero2_model_states_mem_needs."""
+    total_gpus = num_nodes * num_gpus_per_node
+    if cpu_offload:
+        gpu_mem = 2 * total_params
+        cpu_mem = total_params * max(4 * total_gpus, 16) * additional_buffer_factor
+    else:
+        gpu_mem = 2 * total_params + int(18 * total_params / total_gpus)
+        cpu_mem = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+    return int(cpu_mem), int(gpu_mem)
+
+
+def zero3_model_states_mem(total_params: int, largest_layer_params: int, num_gpus_per_node: int = 1,
+                           num_nodes: int = 1, cpu_offload: bool = True, cpu_offload_params: bool = True,
+                           zero_init: bool = True, additional_buffer_factor: float = 1.5) -> tuple[int, int, int]:
+    """(cpu, gpu, largest_layer_memory) exactly as deepspeed...stage3.estimate_zero3_model_states_mem_needs."""
+    total_gpus = num_nodes * num_gpus_per_node
+    gpus_factor = 1 / num_nodes
+    largest_layer_memory = 4 * largest_layer_params
+    abf = additional_buffer_factor  # same operation order as DeepSpeed, so the int() truncation agrees
+    if cpu_offload:
+        states = 18 if cpu_offload_params else 16  # + 2 fp16 params when they are offloaded too
+        gpu_mem = largest_layer_memory + (0 if cpu_offload_params else int(2 * total_params / total_gpus))
+        if zero_init:
+            cpu_mem = total_params * states * gpus_factor * abf
+        else:
+            cpu_mem = total_params * max(4 * num_gpus_per_node, states * gpus_factor) * abf
+    else:
+        gpu_mem = largest_layer_memory + int(18 * total_params / total_gpus)
+        cpu_mem = (largest_layer_params if zero_init else total_params) * 4 * num_gpus_per_node * abf
+    return int(cpu_mem), int(gpu_mem), largest_layer_memory
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    model: str | ModelDims = "deepseek-7b"  # a KNOWN_MODELS name or explicit dims
+    gpus_per_node: int = 3
+    nodes: int = 1
+    zero_stage: int = 2
+    offload_optimizer: Literal["none", "cpu"] = "cpu"
+    offload_param: Literal["none", "cpu"] = "none"  # ZeRO-3 only
+    micro_batch: int = 1
+    seq_len: int = 2048
+    gradient_checkpointing: bool = True
+    precision: Literal["fp16", "bf16", "fp32"] = "fp16"
+    gpu: str = "RTX 4090"
+    gpu_mem_gb: float | None = None  # None: the GPU table's figure
+    attention: Literal["sdpa", "eager"] = "sdpa"
+    reduce_bucket_size: int = 200_000_000  # elements; gpuctl's ds_config template (DeepSpeed's default: 5e8)
+    overlap_comm: bool | None = True  # template: on for CUDA (double bucket); None: DeepSpeed's default
+    cuda_context_gb: float = 1.0  # CUDA context + cuBLAS workspace + NCCL buffers
+    fragmentation: float = 0.10  # caching-allocator slack, fraction of allocated bytes
+    additional_buffer_factor: float = 1.5  # DeepSpeed estimator default
+    zero_init: bool = True  # ZeRO-3 host estimate: model built under deepspeed.zero.Init
+    mfu_low: float = 0.25
+    mfu_high: float = 0.45
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model, str) and self.model not in KNOWN_MODELS:
+            raise PlanError(f"plan: unknown model {self.model!r}; known: {', '.join(KNOWN_MODELS)} (or ModelDims)")
+        for name in ("gpus_per_node", "nodes", "micro_batch", "seq_len", "reduce_bucket_size"):
+            if getattr(self, name) < 1:
+                raise PlanError(f"plan: {name} must be >= 1, got {getattr(self, name)}")
+        for name, allowed in {"zero_stage": (0, 1, 2, 3), "offload_optimizer": ("none", "cpu"),
+                              "offload_param": ("none", "cpu"), "precision": ("fp16", "bf16", "fp32"),
+                              "attention": ("sdpa", "eager")}.items():
+            if getattr(self, name) not in allowed:
+                raise PlanError(f"plan: {name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.offload_optimizer == "cpu" and self.zero_stage == 0:
+            raise PlanError("plan: offload_optimizer=cpu needs ZeRO stage >= 1")
+        if self.offload_param == "cpu" and (self.zero_stage != 3 or self.offload_optimizer != "cpu"):
+            raise PlanError("plan: offload_param=cpu needs zero_stage=3 and offload_optimizer=cpu")
+        if not 0 < self.mfu_low <= self.mfu_high <= 1:
+            raise PlanError("plan: need 0 < mfu_low <= mfu_high <= 1")
+        find_gpu(self.gpu)
+
+    @property
+    def dims(self) -> ModelDims:
+        return self.model if isinstance(self.model, ModelDims) else KNOWN_MODELS[self.model]
+
+    @property
+    def total_gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    """Per-rank GPU memory, GB."""
+    weights_gb: float
+    grads_gb: float
+    optimizer_gb: float
+    buffers_gb: float
+    activations_gb: float  # the one that applies (checkpointing on or off)
+    activations_ckpt_gb: float
+    activations_full_gb: float
+    fragmentation_gb: float
+    cuda_context_gb: float
+    model_states_bytes: int  # = DeepSpeed's estimator for 16-bit ZeRO-2/3
+
+    @property
+    def total_gb(self) -> float:
+        return (self.model_states_bytes / GB + self.buffers_gb + self.activations_gb
+                + self.fragmentation_gb + self.cuda_context_gb)
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    input: PlanInput
+    model: ModelDims
+    params: int
+    gpu: GpuSpec
+    gpu_capacity_gb: float
+    memory: GpuMemory
+    host_ram_gb: float  # per node, DeepSpeed's estimate (includes additional_buffer_factor)
+    host_adam_states_gb: float  # per node: fp32 master + m + v + grads (+ fp16 params), no buffer factor
+    fits: bool
+    flops_per_token: float
+    tokens_per_s_low: float
+    tokens_per_s_high: float
+    flop_ceiling_tokens_per_s: float  # 100% of peak, 6 x params, no recompute
+    why: list[str] = field(default_factory=list)
+    closest: PlanResult | None = None  # cheapest change that fits, when this does not
+    closest_changes: list[str] = field(default_factory=list)
+
+    @property
+    def gpu_gb_per_rank(self) -> float:
+        return self.memory.total_gb
+
+
+def _activation_bytes(inp: PlanInput, m: ModelDims) -> tuple[float, float]:
+    """(with checkpointing, without) for one micro-batch; see the module docstring for the formula."""
+    s, b, h = inp.seq_len, inp.micro_batch, m.hidden
+    kv_ratio = (m.kv_heads or m.heads) / m.heads
+    layer = s * b * h * (12 + 4 * kv_ratio) + 8 * s * b * m.intermediate
+    if inp.attention == "eager":
+        layer += 5 * m.heads * s * s * b
+    head = 4 * s * b * h + 10 * s * b * m.vocab
+    scale = 2.0 if inp.precision == "fp32" else 1.0
+    return scale * (m.layers * 2 * s * b * h + layer + head), scale * (m.layers * layer + head)
+
+
+def _evaluate(inp: PlanInput) -> PlanResult:
+    m, n, st = inp.dims, inp.total_gpus, inp.zero_stage
+    p, ll = m.params, m.largest_layer_params
+    w = 4 if inp.precision == "fp32" else 2
+    off, off_p = inp.offload_optimizer == "cpu", inp.offload_param == "cpu"
+    grad_b = w + (0 if w == 4 else 4)  # 16-bit grads + their fp32 copy; fp32 grads only
+    opt_b = 8 if (st == 0 and w == 4) else 12  # Adam m + v (+ fp32 master, except plain fp32 DDP)
+    weights = (0 if off_p else w * p / n) + 4 * ll if st == 3 else w * p
+    if st == 0:
+        grads = grad_b * p
+    elif st == 1:  # full 16-bit grads on every rank, fp32 grads partitioned (or offloaded)
+        grads = w * p + (0 if off else (grad_b - w) * p / n)
+    else:  # DeepSpeed counts ZeRO-3 grads as 4 bytes/param/N (its 18 = 2 + 4 + 12)
+        grads = 0.0 if off else (grad_b if st == 2 else 4) * p / n
+    opt = 0.0 if off else opt_b * p / (1 if st == 0 else n)
+    states = int(weights + grads + opt)
+    if st == 3:
+        ds_cpu, ds_gpu, _ = zero3_model_states_mem(p, ll, inp.gpus_per_node, inp.nodes, off, off_p,
+                                                   inp.zero_init, inp.additional_buffer_factor)
+    else:
+        ds_cpu, ds_gpu = zero2_model_states_mem(p, inp.gpus_per_node, inp.nodes, off, inp.additional_buffer_factor)
+    if w == 2 and st >= 2:
+        states = ds_gpu  # the same sum, DeepSpeed's rounding
+    overlap = inp.overlap_comm if inp.overlap_comm is not None else st == 3
+    buffers = inp.reduce_bucket_size * w * (2 if overlap else 1) + w * ll  # bucket + transient dense grad
+    if off and st in (1, 2):
+        buffers += w * ll  # temp_grad_buffer_for_gpu_offload
+    act_ckpt, act_full = _activation_bytes(inp, m)
+    act = act_ckpt if inp.gradient_checkpointing else act_full
+    frag = inp.fragmentation * (states + buffers + act)
+    mem = GpuMemory(weights / GB, grads / GB, opt / GB, buffers / GB, act / GB, act_ckpt / GB, act_full / GB,
+                    frag / GB, inp.cuda_context_gb, states)
+    spec = find_gpu(inp.gpu)
+    capacity = inp.gpu_mem_gb if inp.gpu_mem_gb is not None else spec.mem_gb
+    peak = (spec.peak_tflops_fp32 if w == 4 else spec.peak_tflops_16bit) * 1e12
+    fpt = 6 * p * (8 / 6 if inp.gradient_checkpointing else 1)
+    return PlanResult(
+        input=inp, model=m, params=p, gpu=spec, gpu_capacity_gb=capacity, memory=mem,
+        host_ram_gb=ds_cpu / GB, host_adam_states_gb=((16 + 2 * off_p) * p / inp.nodes if off else 0) / GB,
+        fits=mem.total_gb <= capacity, flops_per_token=fpt,
+        tokens_per_s_low=n * peak * inp.mfu_low / fpt, tokens_per_s_high=n * peak * inp.mfu_high / fpt,
+        flop_ceiling_tokens_per_s=n * peak / (6 * p))
+
+
+def _candidates(inp: PlanInput):
+    micros = sorted({inp.micro_batch} | {inp.micro_batch >> k for k in range(8) if inp.micro_batch >> k >= 1})
+    seqs = sorted({inp.seq_len} | {inp.seq_len >> k for k in range(6) if inp.seq_len >> k >= 128})
+    for st, off, off_p, ckpt, mb, sl in itertools.product((0, 1, 2, 3), ("none", "cpu"), ("none", "cpu"),
+                                                          (False, True), micros, seqs):
+        if (off == "cpu" and st == 0) or (off_p == "cpu" and (st != 3 or off != "cpu")):
+            continue
+        yield replace(inp, zero_stage=st, offload_optimizer=off, offload_param=off_p,
+                      gradient_checkpointing=ckpt, micro_batch=mb, seq_len=sl)
+
+
+def _changes(a: PlanInput, b: PlanInput) -> tuple[float, list[str]]:
+    """Cost of moving from a to b (training math kept > speed kept > data changed) and what changes."""
+    cost, out = 0.0, []
+    for name, unit in (("offload_optimizer", 1), ("zero_stage", 1), ("offload_param", 2),
+                       ("gradient_checkpointing", 1), ("micro_batch", 1), ("seq_len", 3)):
+        old, new = getattr(a, name), getattr(b, name)
+        if old == new:
+            continue
+        if name in ("micro_batch", "seq_len"):  # per halving
+            steps = max(1, (old // new).bit_length() - 1) if new < old else 1
+        else:
+            steps = abs(old - new) + (new == 3) if name == "zero_stage" else 1
+        cost += unit * steps
+        out.append(f"{name}={str(new).lower() if isinstance(new, bool) else new}"
+                   + (" (raise gradient_accumulation_steps to keep the batch)" if name == "micro_batch" else ""))
+    return cost, out
+
+
+def _explain(r: PlanResult) -> list[str]:
+    inp, m, mem, p, n = r.input, r.model, r.memory, r.params, r.input.total_gpus
+    w = 4 if inp.precision == "fp32" else 2
+    dtype = "fp32" if w == 4 else inp.precision
+    off_staging = inp.offload_optimizer == "cpu" and inp.zero_stage in (1, 2)
+    lines = [f"{m.name}: {p / 1e9:.2f}e9 parameters (Llama: {m.layers} layers, hidden {m.hidden}, "
+             f"FFN {m.intermediate}, vocab {m.vocab}, {'tied' if m.tied_embeddings else 'untied'} embeddings)."]
+    if inp.zero_stage < 3:
+        part = {0: "nothing", 1: "optimizer states", 2: "gradients and optimizer states"}[inp.zero_stage]
+        lines.append(f"Floor: ZeRO-{inp.zero_stage} partitions {part} across the {n} ranks, but every rank keeps "
+                     f"a full {dtype} copy of the parameters: {p / 1e9:.2f}e9 x {w} bytes = {w * p / GB:.1f} GB "
+                     f"(~{w * p / GB:.0f} GB) per GPU whatever the GPU count or offload. "
+                     "Only ZeRO-3 partitions the parameters.")
+    else:
+        lines.append(f"ZeRO-3 partitions the parameters: {mem.weights_gb:.1f} GB per rank = "
+                     f"{'none (offload_param=cpu)' if inp.offload_param == 'cpu' else f'{w}P/{n}'} + 4 x the "
+                     f"largest layer ({m.largest_layer_params / 1e6:.0f}M params) gathered; it costs an "
+                     f"extra all-gather of the weights in forward and backward.")
+    if inp.offload_optimizer == "cpu":
+        lines.append(f"offload_optimizer=cpu keeps fp32 master + Adam momentum + variance + fp32 grads "
+                     f"(16 bytes/param = {r.host_adam_states_gb:.1f} GB per node, pinned) in host RAM; "
+                     f"the CPU runs Adam and the GPU keeps only {dtype} weights and buffers.")
+    else:
+        lines.append(f"No offload: grads {mem.grads_gb:.1f} GB + fp32 master and Adam m/v {mem.optimizer_gb:.1f} GB "
+                     f"per rank on the GPU (DeepSpeed: 18 bytes/param, split over the ranks by ZeRO-2/3).")
+    lines.append(f"Activations, micro_batch {inp.micro_batch} x seq {inp.seq_len}: {mem.activations_ckpt_gb:.1f} GB "
+                 f"with gradient checkpointing, {mem.activations_full_gb:.1f} GB without (Korthikanti et al. "
+                 f"2022 count for Llama; {10 * inp.seq_len * inp.micro_batch * m.vocab / GB:.1f} GB of it is "
+                 f"the logits for vocab {m.vocab}). Using: "
+                 f"{'checkpointing' if inp.gradient_checkpointing else 'no checkpointing'}.")
+    lines.append(f"Buffers {mem.buffers_gb:.1f} GB: reduce bucket {inp.reduce_bucket_size:.0e} elements x {w} bytes, "
+                 f"the dense gradient of the largest tensor ({m.largest_layer_params / 1e6:.0f}M)"
+                 f"{' and its offload staging copy' if off_staging else ''}"
+                 f"; plus {mem.fragmentation_gb:.1f} GB fragmentation ({inp.fragmentation:.0%}) and "
+                 f"{mem.cuda_context_gb:.1f} GB CUDA context.")
+    verdict = (f"fits with {r.gpu_capacity_gb - mem.total_gb:.1f} GB to spare" if r.fits
+               else f"does NOT fit (over by {mem.total_gb - r.gpu_capacity_gb:.1f} GB)")
+    lines.append(f"Per rank {mem.total_gb:.1f} GB of {r.gpu_capacity_gb:g} GB on {r.gpu.name}: {verdict}.")
+    est = "estimate_zero3_model_states_mem_needs" if inp.zero_stage == 3 else "estimate_zero2_model_states_mem_needs"
+    lines.append(f"Host RAM per node: {r.host_ram_gb:.1f} GB by DeepSpeed's {est} "
+                 f"(x{inp.additional_buffer_factor} buffer factor); rent hosts with at least that much.")
+    peak = r.gpu.peak_tflops_fp32 if w == 4 else r.gpu.peak_tflops_16bit
+    lines.append(f"Throughput: {n} x {peak:g} TFLOP/s x {inp.mfu_low:.0%}-{inp.mfu_high:.0%} / "
+                 f"({r.flops_per_token / p:.0f} x params) FLOPs per token"
+                 f"{' (6 + 2 recompute)' if inp.gradient_checkpointing else ''} = "
+                 f"{r.tokens_per_s_low:,.0f}-{r.tokens_per_s_high:,.0f} tokens/s "
+                 f"(FLOP ceiling {r.flop_ceiling_tokens_per_s:,.0f}; peak: {r.gpu.source}).")
+    if n > 1 and inp.zero_stage >= 1:
+        every = "micro-step" if inp.zero_stage >= 2 else "optimizer step"
+        lines.append(f"Not modelled: every {every} reduces {w * p / GB:.1f} GB of gradients across ranks"
+                     f"{' (RTX 4090: PCIe only, no P2P)' if 'RTX' in r.gpu.name else ''}"
+                     f"{' and the CPU Adam step' if inp.offload_optimizer == 'cpu' else ''}; "
+                     "these can pull throughput below the range.")
+    return lines
+
+
+def plan(inp: PlanInput) -> PlanResult:
+    """Plan one configuration; when it does not fit, also find the cheapest change that does."""
+    result = _evaluate(inp)
+    why = _explain(result)
+    closest, changes = None, []
+    if not result.fits:
+        best = None
+        for cand in _candidates(inp):
+            r = _evaluate(cand)
+            if r.fits:
+                cost, ch = _changes(inp, cand)
+                key = (cost, -r.tokens_per_s_high, r.memory.total_gb)
+                if best is None or key < best[0]:
+                    best = (key, r, ch)
+        if best is None:
+            why.append("Nothing fits, even ZeRO-3 with parameter offload, micro_batch 1 and short sequences: "
+                       "use GPUs with more memory or more GPUs.")
+        else:
+            closest, changes = replace(best[1], why=_explain(best[1])), best[2]
+            why.append(f"Closest config that fits: {', '.join(changes)} -> {closest.memory.total_gb:.1f} GB "
+                       f"per rank, {closest.tokens_per_s_low:,.0f}-{closest.tokens_per_s_high:,.0f} tokens/s.")
+    return replace(result, why=why, closest=closest, closest_changes=changes)
+
+
+def plan_to_json(result: PlanResult) -> dict:
+    """JSON-ready dict (for `gpuctl plan --json`)."""
+    mem = result.memory
+    inp = dataclasses.asdict(result.input)
+    inp["model"] = result.model.name if isinstance(result.input.model, str) else dataclasses.asdict(result.model)
+    return {
+        "model": result.model.name, "params": result.params, "input": inp, "gpu": result.gpu.name,
+        "gpu_mem_gb": result.gpu_capacity_gb, "gpu_gb_per_rank": round(mem.total_gb, 3),
+        "gpu_breakdown_gb": {k.removesuffix("_gb"): round(v, 3) for k, v in dataclasses.asdict(mem).items()
+                             if k.endswith("_gb")} | {"model_states": round(mem.model_states_bytes / GB, 3)},
+        "model_states_gpu_bytes": mem.model_states_bytes,
+        "host_ram_gb": round(result.host_ram_gb, 3), "host_adam_states_gb": round(result.host_adam_states_gb, 3),
+        "fits": result.fits,
+        "tokens_per_s": {"low": round(result.tokens_per_s_low, 1), "high": round(result.tokens_per_s_high, 1)},
+        "flop_ceiling_tokens_per_s": round(result.flop_ceiling_tokens_per_s, 1),
+        "peak_tflops": result.gpu.peak_tflops_fp32 if result.input.precision == "fp32"
+        else result.gpu.peak_tflops_16bit,
+        "peak_source": result.gpu.source, "why": list(result.why),
+        "closest": plan_to_json(result.closest) if result.closest else None,
+        "closest_changes": list(result.closest_changes),
+    }

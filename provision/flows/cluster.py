@@ -1,0 +1,111 @@
+"""Bring clusters up and down through their provider; local state records what exists."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from provision.flows import job
+from provision.core import state
+from provision.core.config import GpuctlConfig, check_batch
+from provision.core.errors import GpuctlError, RemoteError
+from provision.providers import backend
+from provision.providers.base import UpOptions
+
+ACTIVE = ("starting", "running")
+
+
+def up(cfg: GpuctlConfig, opts: UpOptions) -> state.ClusterRecord | None:
+    """Create or connect the cluster; a no-op when it is already up."""
+    existing = state.find_cluster(cfg.cluster_name)
+    if existing is not None:
+        opts.say(f"cluster {existing.name} is already up ({existing.world_size} ranks)")
+        return existing
+    check_batch(cfg.train, planned(cfg).world_size)  # before anything is created
+    record = backend(cfg.provider.kind).up(cfg, opts)
+    if record is not None:
+        check_batch(cfg.train, record.world_size)
+        state.save_cluster(record)
+        opts.say(f"cluster {record.name} is up: {record.world_size} ranks on {len(record.nodes)} node(s)")
+        if record.runtime == "docker":  # the image goes out now, not at the first `train`
+            from provision.flows.image import ship_cluster
+
+            ship_cluster(cfg, record, opts.say)
+        from provision.transport.ssh import sshconfig
+
+        sshconfig.refresh()
+        if sshconfig.ssh_reachable(record):
+            opts.say(sshconfig.include_hint(record))
+    return record
+
+
+def active_runs(cluster: str) -> list[state.RunRecord]:
+    return [r for r in state.list_runs(cluster) if r.state in ACTIVE]
+
+
+def down(name: str, say: Callable[[str], None] = print) -> bool:
+    """Stop the cluster's runs, terminate what the provider created, forget the cluster.
+
+    Idempotent: a cluster that is already gone is fine. Returns False when nothing was up.
+    """
+    cluster = state.find_cluster(name)
+    if cluster is None:
+        say(f"cluster {name} is not up; nothing to do")
+        return False
+    provider = backend(cluster.provider)
+    for run in active_runs(name):
+        say(f"stopping run {run.run_id}")
+        try:
+            stopped = job.cancel(run)
+        except RemoteError as exc:
+            if not provider.terminates_nodes:
+                raise
+            # A cloud node may have torn itself down already; terminating it ends the run anyway.
+            say(f"cannot reach the node of run {run.run_id} ({exc.message}); terminating it ends the run")
+            state.update_run(run.run_id, state="lost")
+            continue
+        if not stopped:
+            raise GpuctlError(f"run {run.run_id} on {name} did not stop",
+                              f"retry `gpuctl down`, or stop process group {run.pgid} on the node")
+    provider.down(cluster, say)
+    state.delete_cluster(name)
+    from provision.transport.ssh import sshconfig
+
+    sshconfig.refresh()
+    say(f"cluster {name} is down")
+    return True
+
+
+def planned(cfg: GpuctlConfig) -> state.ClusterRecord:
+    """The cluster `up` would record, without touching a machine (for render and dry runs)."""
+    from provision.core.config import LocalProvider, SSHProvider
+    from provision.providers.local import node_python, visible_gpus
+    from provision.providers.base import resolve_runtime
+
+    prov = cfg.provider
+    if isinstance(prov, LocalProvider):
+        gpus = visible_gpus()
+        slots = prov.gpus_per_node or len(gpus) or prov.cpu_ranks
+        accel = "cuda" if (prov.gpus_per_node or gpus) else "cpu"
+        node = state.NodeRecord(host="localhost", slots=slots, accelerator=accel,
+                                gpu_name=gpus[0] if gpus else None,
+                                workdir=str(state.state_dir() / "local-node"))
+        return state.ClusterRecord(name=cfg.cluster_name, provider="local", nodes=[node],
+                                   python=node_python(prov))
+    if isinstance(prov, SSHProvider):
+        from provision.providers.ssh_hosts import hostfile_names, targets
+
+        found = targets(prov)
+        home = "/root" if found[0].user == "root" else f"/home/{found[0].user}"  # a guess; `up` asks the node
+        workdir = (prov.workdir or "gpuctl").replace("~/", "", 1)
+        workdir = workdir if workdir.startswith("/") else f"{home}/{workdir}"  # one path on every node
+        nodes = [state.NodeRecord(host=name, address=t.address, port=t.port, user=t.user,
+                                  slots=prov.gpus_per_node or prov.cpu_ranks,
+                                  accelerator="cuda" if prov.gpus_per_node else "cpu", workdir=workdir)
+                 for t, name in zip(found, hostfile_names(found))]
+        docker = prov.runtime == "docker"  # auto depends on the node; `up` decides
+        return state.ClusterRecord(name=cfg.cluster_name, provider="ssh", nodes=nodes, python=prov.python,
+                                   runtime="docker" if docker else "none", image=prov.image if docker else None)
+    nodes = [state.NodeRecord(host=f"node{i}", slots=prov.gpus_per_node, accelerator="cuda",
+                              gpu_name=prov.gpu, workdir="/root/gpuctl") for i in range(prov.nodes)]
+    return state.ClusterRecord(name=cfg.cluster_name, provider=prov.kind, nodes=nodes,
+                               python=prov.python, image=prov.image, runtime=resolve_runtime(prov.runtime, prov.kind))

@@ -1,0 +1,380 @@
+"""The trainer image: build it here, push it, and ship it to nodes that run it with docker.
+
+How the image reaches a node (config `docker.ship`):
+  pull   the node pulls from the registry; a login, when GPUCTL_REGISTRY_USER and
+         GPUCTL_REGISTRY_PASSWORD are set, goes through `docker login --password-stdin`
+         (never argv) and is logged out again after the pull
+  load   `docker save` here | SSH | `docker load` there, streamed, with a progress bar in bytes
+  build  the build context (.dockerignore applied) streams as a tar into `docker build -` there
+  auto   load when this machine has the image, else pull
+A node that already has the image is skipped: same image ID as here (`docker image inspect
+--format {{.Id}}` on both sides) for load, same context digest (an image label) for build.
+The laptop's docker is whatever DOCKER_HOST / the default socket points at.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import subprocess
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from provision.core.errors import ConfigError, GpuctlError, RemoteError
+from provision.transport.remote import CommandResult, LocalNode, Node
+from provision.providers.base import DEFAULT_IMAGE
+from provision.transport.stream import pipe_into
+
+Say = Callable[[str], None]
+USER_ENV, PASSWORD_ENV = "GPUCTL_REGISTRY_USER", "GPUCTL_REGISTRY_PASSWORD"
+CONTEXT_LABEL = "org.gpuctl.context-sha256"
+CHUNK = 1 << 20
+DOCKER_FIX = "install Docker on the node and add the SSH user to the `docker` group"
+
+
+@dataclass
+class ShipResult:
+    node: str
+    action: str  # skipped | pulled | loaded | built
+    image_id: str | None
+    bytes_sent: int = 0
+    seconds: float = 0.0
+
+
+# --- inspecting -----------------------------------------------------------------------------
+
+def image_id(node: Node, image: str) -> str | None:
+    """The image's ID (sha256 of its config) on node, or None when it is not there."""
+    result = _docker(node, ["image", "inspect", "--format", "{{.Id}}", image], check=False)
+    return (result.stdout.strip() or None) if result.rc == 0 else None
+
+
+def image_label(node: Node, image: str, label: str) -> str | None:
+    fmt = "{{ index .Config.Labels %s }}" % f'"{label}"'
+    result = _docker(node, ["image", "inspect", "--format", fmt, image], check=False)
+    value = result.stdout.strip()
+    return value if result.rc == 0 and value not in ("", "<no value>") else None
+
+
+def _docker(node: Node, args: list[str], *, check: bool = True, stdin: bytes | None = None,
+            timeout: float | None = 300) -> CommandResult:
+    try:
+        result = node.run(["docker", *args], check=False, stdin=stdin, timeout=timeout)
+    except FileNotFoundError:
+        raise GpuctlError("docker is not installed here", "install Docker (apt-get install docker.io)") from None
+    if check and result.rc != 0:
+        detail = (result.stderr.strip() or result.stdout.strip())[-300:]
+        fix = DOCKER_FIX if "permission denied" in detail.lower() or result.rc == 127 else None
+        raise RemoteError(f"{node.label}: docker {args[0]} failed: {detail}", fix)
+    return result
+
+
+# --- registry -------------------------------------------------------------------------------
+
+def registry_of(image: str) -> str | None:
+    """The registry host of an image reference; None for Docker Hub."""
+    first, _, rest = image.partition("/")
+    if rest and ("." in first or ":" in first or first == "localhost"):
+        return first
+    return None
+
+
+def credentials() -> tuple[str, str] | None:
+    user, password = os.environ.get(USER_ENV), os.environ.get(PASSWORD_ENV)
+    return (user, password) if user and password else None
+
+
+def login(node: Node, image: str) -> bool:
+    """Log node's docker in to the image's registry when credentials are set. True if it did."""
+    creds = credentials()
+    if creds is None:
+        return False
+    registry = registry_of(image)
+    argv = ["login", "--username", creds[0], "--password-stdin", *([registry] if registry else [])]
+    _docker(node, argv, stdin=creds[1].encode(), timeout=120)
+    return True
+
+
+def logout(node: Node, image: str) -> None:
+    registry = registry_of(image)
+    _docker(node, ["logout", *([registry] if registry else [])], check=False, timeout=60)
+
+
+# --- building here --------------------------------------------------------------------------
+
+def source_tree() -> Path:
+    return Path(__file__).resolve().parents[2]  # provision/flows/image.py -> the source tree
+
+
+def build_context(cfg) -> tuple[Path, str]:
+    """(context folder, Dockerfile path relative to it) from config `docker`."""
+    context = Path(cfg.docker.context).expanduser() if cfg.docker.context else source_tree()
+    if not context.is_absolute():
+        context = (cfg.base_dir / context).resolve()
+    if not (context / cfg.docker.dockerfile).is_file():
+        raise ConfigError(f"no {cfg.docker.dockerfile} in {context}",
+                          "set docker.context to a folder with the Dockerfile (gpuctl's source tree)")
+    return context, cfg.docker.dockerfile
+
+
+def image_name(cfg, cluster=None) -> str:
+    if cluster is not None and cluster.image:
+        return cluster.image
+    return getattr(cfg.provider, "image", None) or DEFAULT_IMAGE
+
+
+def build(cfg, image: str, *, push: bool = False, say: Say = print) -> str:
+    """`docker build` here with the context as is; optionally push. Returns the image ID."""
+    context, dockerfile = build_context(cfg)
+    try:
+        rev = subprocess.run(["git", "-C", str(context), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=30).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        rev = "unknown"  # no git here, or not a checkout
+    from provision import __version__ as version
+
+    argv = ["docker", "build", "-t", image, "-f", str(context / dockerfile),
+            "--build-arg", f"VCS_REF={rev}", "--build-arg", f"GPUCTL_VERSION={version}", str(context)]
+    _run_here(argv, say)
+    if push:
+        here = LocalNode()
+        logged_in = login(here, image)
+        try:
+            _run_here(["docker", "push", image], say)
+        finally:
+            if logged_in:
+                logout(here, image)
+    found = image_id(LocalNode(), image)
+    if not found:
+        raise GpuctlError(f"docker build finished but {image} is not in the local engine")
+    return found
+
+
+def _run_here(argv: list[str], say: Say) -> None:
+    """Run a local docker command, its output (stdout and stderr, BuildKit's) line by line to say."""
+    try:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        raise GpuctlError("docker is not installed here", "install Docker (apt-get install docker.io)") from None
+    tail: list[str] = []
+    for line in proc.stdout:
+        say(line.rstrip("\n"))
+        tail = (tail + [line.strip()])[-5:]
+    if proc.wait() != 0:
+        raise GpuctlError(f"{' '.join(argv[:2])} failed (exit {proc.returncode}): {' | '.join(tail)[-300:]}")
+
+
+# --- shipping -------------------------------------------------------------------------------
+
+def ship(node: Node, image: str, how: str, *, cfg=None, say: Say = print,
+         progress: bool = True) -> ShipResult:
+    """Make node have image; skip when it already has the same one. See the module docstring."""
+    started = time.monotonic()
+    local_id = _local_id(image, required=how == "load") if how in ("auto", "load") else None
+    if how == "auto":
+        how = "load" if local_id else "pull"
+    if how == "load":
+        if local_id is None:
+            raise GpuctlError(f"{image} is not in this machine's docker engine",
+                              "run `gpuctl image build` first, or set docker.ship: pull")
+        if image_id(node, image) == local_id:
+            say(f"{node.label}: has {image} ({local_id[:19]}), skipping the transfer")
+            return ShipResult(node.label, "skipped", local_id)
+        sent = _load(node, image, say, progress)
+        remote_id = image_id(node, image)
+        if remote_id != local_id:
+            raise RemoteError(f"{node.label}: docker load gave {remote_id}, expected {local_id}")
+        return ShipResult(node.label, "loaded", remote_id, sent, time.monotonic() - started)
+    if how == "build":
+        if cfg is None:
+            raise ConfigError("ship: build needs the config's docker.context")
+        return _build_on(node, image, cfg, say, progress, started)
+    if how == "pull":
+        say(f"{node.label}: docker pull {image}")
+        try:
+            logged_in = login(node, image)
+            try:
+                _docker(node, ["pull", "--quiet", image], timeout=3600)
+            finally:
+                if logged_in:
+                    logout(node, image)
+        except RemoteError as exc:
+            have = image_id(node, image)
+            if have is None:
+                raise
+            say(f"warning: {exc.message}; using the copy {node.label} already has ({have[:19]})")
+            return ShipResult(node.label, "skipped", have)
+        return ShipResult(node.label, "pulled", image_id(node, image), 0, time.monotonic() - started)
+    raise ConfigError(f"docker.ship {how!r} is not auto, pull, load or build")
+
+
+def _local_id(image: str, *, required: bool) -> str | None:
+    """The image's ID in this machine's engine; None without one (unless required: then raise)."""
+    try:
+        return image_id(LocalNode(), image)
+    except GpuctlError:
+        if required:
+            raise
+        return None  # no docker here at all: `auto` pulls on the node
+
+
+def ship_cluster(cfg, cluster, say: Say = print, nodes: list[Node] | None = None,
+                 how: str | None = None) -> list[ShipResult]:
+    """Ship the cluster's image to every node (no-op unless its runtime is docker)."""
+    if cluster.runtime != "docker":
+        return []
+    from provision.providers import backend
+
+    own = nodes is None
+    nodes = backend(cluster.provider).nodes(cluster) if own else nodes
+    try:
+        return [ship(node, image_name(cfg, cluster), how or cfg.docker.ship, cfg=cfg, say=say)
+                for node in nodes]
+    finally:
+        if own:
+            for node in nodes:
+                node.close()
+
+
+def _progress(total: int | None, what: str):
+    from rich.console import Console
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                               TransferSpeedColumn)
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                   TimeRemainingColumn(), console=Console(stderr=True))
+    return bar, bar.add_task(what, total=total)
+
+
+def _stream(chunks: Iterator[bytes], node: Node, argv: list[str], total: int | None, what: str,
+            progress: bool) -> tuple[int, str]:
+    sent = 0
+
+    def count(n: int) -> None:
+        nonlocal sent
+        sent += n
+        if bar is not None:
+            bar.update(task, completed=sent)
+
+    bar, task = _progress(total, what) if progress else (None, None)
+    if bar is not None:
+        bar.start()
+    try:
+        result = pipe_into(node, argv, chunks, on_bytes=count)
+    finally:
+        if bar is not None:
+            bar.update(task, total=sent, completed=sent)
+            bar.stop()
+    return sent, result.stdout
+
+
+def _load(node: Node, image: str, say: Say, progress: bool) -> int:
+    size = _docker(LocalNode(), ["image", "inspect", "--format", "{{.Size}}", image]).stdout.strip()
+    say(f"{node.label}: sending {image} (docker save | docker load)")
+    proc = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def chunks() -> Iterator[bytes]:
+        while data := proc.stdout.read(CHUNK):
+            yield data
+
+    try:
+        sent, _ = _stream(chunks(), node, ["docker", "load"], int(size) if size.isdigit() else None,
+                          f"{image} -> {node.label}", progress)
+    finally:
+        proc.stdout.close()
+        err = proc.stderr.read().decode(errors="replace")
+        rc = proc.wait()
+    if rc != 0:
+        raise GpuctlError(f"docker save {image} failed: {err.strip()[-300:]}")
+    return sent
+
+
+def _build_on(node: Node, image: str, cfg, say: Say, progress: bool, started: float) -> ShipResult:
+    context, dockerfile = build_context(cfg)
+    with tempfile.TemporaryFile() as tar:
+        digest = context_tar(context, dockerfile, tar)
+        if image_label(node, image, CONTEXT_LABEL) == digest:
+            say(f"{node.label}: has {image} built from this context ({digest[:12]}), skipping the build")
+            return ShipResult(node.label, "skipped", image_id(node, image))
+        size = tar.tell()
+        tar.seek(0)
+        say(f"{node.label}: building {image} there from {context} ({size} bytes of context)")
+        argv = ["docker", "build", "-t", image, "--label", f"{CONTEXT_LABEL}={digest}",
+                "-f", dockerfile, "-"]
+        sent, _ = _stream(iter(lambda: tar.read(CHUNK), b""), node, argv, size, f"context -> {node.label}",
+                          progress)
+    return ShipResult(node.label, "built", image_id(node, image), sent, time.monotonic() - started)
+
+
+# --- the build context ----------------------------------------------------------------------
+
+def _ignore_rules(context: Path) -> list[tuple[re.Pattern, int, bool, str]]:
+    """.dockerignore -> (regex, path components, negated, literal prefix), in file order."""
+    path = context / ".dockerignore"
+    rules = []
+    for raw in (path.read_text().splitlines() if path.is_file() else []):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        negate = line.startswith("!")
+        pattern = os.path.normpath(line.lstrip("!").strip()).lstrip("/")
+        regex = "".join(r"(?:.*/)?" if part == "**/" else ".*" if part == "**" else "[^/]*" if part == "*"
+                        else "[^/]" if part == "?" else re.escape(part)
+                        for part in re.findall(r"\*\*/|\*\*|\*|\?|[^*?]+", pattern))
+        prefix = re.split(r"[*?\[]", pattern)[0]
+        rules.append((re.compile(regex, re.S), len(pattern.split("/")), negate, prefix))
+    return rules
+
+
+def _ignored(rel: str, rules) -> bool:
+    """Docker's rule: the last pattern matching the path, or one of its parent folders, wins."""
+    parts = rel.split("/")
+    verdict = False
+    for regex, depth, negate, _ in rules:
+        if regex.fullmatch(rel) or (depth < len(parts) and regex.fullmatch("/".join(parts[:depth]))):
+            verdict = not negate
+    return verdict
+
+
+def context_files(context: Path, dockerfile: str) -> list[str]:
+    """Relative paths of the files a `docker build` of context sends, sorted."""
+    rules = _ignore_rules(context)
+    negations = [prefix for *_, negate, prefix in rules if negate]
+    found = {p for p in (dockerfile, ".dockerignore") if (context / p).is_file()}
+    for folder, dirs, files in os.walk(context):
+        base = os.path.relpath(folder, context)
+        base = "" if base == "." else base + "/"
+        # skip an ignored folder unless a `!pattern` could re-include something inside it
+        dirs[:] = [d for d in dirs if not _ignored(base + d, rules)
+                   or any(not p or p.startswith(base + d + "/") or (base + d).startswith(p) for p in negations)]
+        found.update(base + f for f in files if not _ignored(base + f, rules))
+    return sorted(found)
+
+
+def context_tar(context: Path, dockerfile: str, out) -> str:
+    """Write the build context as a tar to `out`; return a digest of its contents and modes."""
+    digest = hashlib.sha256()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        for rel in context_files(context, dockerfile):
+            path = context / rel
+            info = tar.gettarinfo(str(path), arcname=rel)
+            info.uid = info.gid = 0
+            info.mtime = int(info.mtime)  # a float mtime makes a PAX header that docker's tar sniffing rejects
+            info.uname = info.gname = ""
+            digest.update(f"{rel}\0{info.mode & 0o111:o}\0{info.size}\0".encode())
+            if info.isfile():
+                with open(path, "rb") as fh:
+                    tar.addfile(info, fh)
+                with open(path, "rb") as fh:
+                    for block in iter(lambda: fh.read(CHUNK), b""):
+                        digest.update(block)
+            else:
+                tar.addfile(info)
+                digest.update(os.readlink(path).encode() if info.issym() else b"")
+    return digest.hexdigest()

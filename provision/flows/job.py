@@ -1,0 +1,297 @@
+"""The train flow: render -> put bundle -> start detached -> follow logs/status -> result.
+
+The run lives on the node: launch.sh writes status.json, the trainer writes metrics.jsonl
+and summary.json. gpuctl only reads them, so a dropped laptop changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from provision.core import state
+from provision.core.config import GpuctlConfig, check_batch
+from provision.core.credentials import StorageCredentials, storage_credentials
+from provision.core.errors import ConfigError, GpuctlError, NotFoundError, RemoteError
+from provision.providers import backend
+from provision.transport.remote import Node
+from provision.flows.render import BundleNode, BundleSpec, render_bundle
+
+TERMINAL = ("succeeded", "failed", "cancelled", "lost")
+POLL_S = 0.5
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+
+
+def run_dir_of(workdir: str, run_id: str) -> str:
+    return f"{workdir.rstrip('/')}/runs/{run_id}"
+
+
+def budget_left_s(cluster: state.ClusterRecord) -> int:
+    """Seconds until the cluster's budget cap (max_hours, max_cost at its price) is spent."""
+    left = cluster.created_at + cluster.budget_hours * 3600 - time.time()
+    if left < 1:
+        raise GpuctlError(f"cluster {cluster.name} has spent its budget cap ({cluster.budget_hours:.2f} h)",
+                          "`gpuctl down`, or raise provider.max_hours / max_cost and `gpuctl up` again")
+    return int(left)
+
+
+def bundle_spec(cfg: GpuctlConfig, cluster: state.ClusterRecord, run_id: str,
+                resume: str | None = None, *, credentials: StorageCredentials | None = None) -> BundleSpec:
+    """credentials: the node's storage credentials (default: resolved now from boto3's chain)."""
+    first = cluster.nodes[0]
+    prov = cfg.provider
+    spec = BundleSpec(run_id=run_id, run_dir=run_dir_of(first.workdir, run_id),
+                      nodes=[BundleNode(n.host, n.slots) for n in cluster.nodes],
+                      python=cluster.python, accelerator=first.accelerator, gpu_name=first.gpu_name,
+                      resume=resume, setup=getattr(prov, "setup", None))
+    if len(cluster.nodes) > 1:
+        from provision.transport.ssh.mesh import node_ssh_config
+
+        spec.master_addr = first.address
+        spec.ssh_port = first.port
+        spec.ssh_config = node_ssh_config(first.workdir)  # written by mesh.setup at `up`
+    # Storage credentials reach the node only through secrets.env (never run.json or argv).
+    spec.secrets.update((storage_credentials(cfg.storage, cfg.train.data) if credentials is None else credentials).env)
+    teardown = None
+    if cfg.teardown == "after-train" or cluster.budget_hours:
+        teardown = backend(cluster.provider).self_teardown(cluster)
+    if teardown:
+        spec.secrets.update(teardown.env)
+        if cfg.teardown == "after-train":
+            spec.after_run.append(teardown.argv)
+        if cluster.budget_hours:  # the cap holds even if the run hangs (launch.sh's watchdog)
+            spec.watchdog_s = budget_left_s(cluster)
+            spec.watchdog_run.append(teardown.argv)
+    if cluster.runtime == "docker":  # last: the container gets every secret above by name
+        from provision.flows.docker import docker_run_for
+
+        spec.launcher_prefix = docker_run_for(cfg, cluster, spec).argv()
+    return spec
+
+
+def start_run(cfg: GpuctlConfig, cluster: state.ClusterRecord, *, resume: str | None = None,
+              say: Callable[[str], None] = print) -> state.RunRecord:
+    """Render, ship to every node, start launch.sh detached on the first; record the run."""
+    batch = check_batch(cfg.train, cluster.world_size)
+    check_resume(cfg, cluster, resume, say)
+    run_id = new_run_id()
+    credentials = storage_credentials(cfg.storage, cfg.train.data)
+    if credentials.expires:
+        say(f"warning: the storage credentials ({credentials.method or 'session'}) are temporary; the node "
+            "cannot refresh them, so uploads fail once they expire (use long-lived keys for long runs)")
+    spec = bundle_spec(cfg, cluster, run_id, resume, credentials=credentials)
+    bundle = render_bundle(cfg, spec, state.state_dir() / "runs" / run_id)
+    nodes = backend(cluster.provider).nodes(cluster)
+    try:
+        if cluster.runtime == "docker":  # a no-op (an ID check) when `up` shipped it already
+            from provision.flows.image import ship_cluster
+
+            ship_cluster(cfg, cluster, say, nodes)
+        for node, rec in zip(nodes, cluster.nodes):
+            node.put_dir(bundle, run_dir_of(rec.workdir, run_id))
+        pgid = nodes[0].start_detached(spec.run_dir, "launch.sh", "job.log")
+    finally:
+        (bundle / "secrets.env").unlink(missing_ok=True)  # shipped; no credential stays in the state dir
+        for node in nodes:
+            node.close()
+    record = state.RunRecord(run_id=run_id, cluster=cluster.name, run_dir=spec.run_dir,
+                             bundle_dir=str(bundle), world_size=cluster.world_size,
+                             train_batch_size=batch, micro_batch=cfg.train.micro_batch,
+                             grad_accum=cfg.train.grad_accum, max_steps=cfg.train.max_steps,
+                             accelerator=cluster.nodes[0].accelerator, state="running", pgid=pgid)
+    state.save_run(record)
+    say(f"run {run_id} started on {cluster.name}: {cluster.world_size} ranks, batch {batch}")
+    return record
+
+
+def check_resume(cfg: GpuctlConfig, cluster: state.ClusterRecord, resume: str | None,
+                 say: Callable[[str], None]) -> None:
+    """Before anything ships: the checkpoint to resume from is in the store and fits the cluster.
+
+    The node downloads and verifies it (falling back to an older complete one on a bad shard);
+    this only reads manifests. A store the laptop cannot reach is left to the node.
+    """
+    if resume is None or resume.startswith("/"):
+        return
+    from trainer.objstore.store import CheckpointStore
+    from trainer.objstore.backends import StorageError, StorageUnavailable
+
+    store = CheckpointStore.from_config(cfg.storage_settings(), log=say)
+    try:
+        if resume == "latest":
+            info = store.latest()
+        else:
+            info = store.info(resume) or next(
+                (i for i in store.list() if i.complete and 0 <= i.step < _tag_step(resume)), None)
+            if info is not None and info.tag != resume:
+                say(f"checkpoint {resume} is not complete in {store.url}; the node will fall back to {info.tag}")
+    except ValueError as exc:  # not a valid tag name
+        raise ConfigError(f"--resume-from {resume}: {exc}", "`gpuctl ckpt ls` lists the tags") from None
+    except StorageUnavailable as exc:
+        say(f"warning: cannot check the checkpoint from here ({exc}); the node will")
+        return
+    except StorageError as exc:
+        raise ConfigError(f"cannot read checkpoints in {store.url}: {exc}", "fix storage in gpuctl.yaml") from None
+    if info is None:
+        what = "complete checkpoint" if resume == "latest" else f"complete checkpoint {resume} (or older)"
+        raise NotFoundError(f"no {what} in {store.url} to resume from",
+                            "`gpuctl ckpt ls` lists what is there; drop --resume to start fresh")
+    if info.world_size != cluster.world_size:
+        raise ConfigError(f"checkpoint {info.tag} was saved by {info.world_size} ranks but cluster {cluster.name} "
+                          f"has {cluster.world_size}; resume needs the same world size",
+                          f"run on {info.world_size} ranks, or `gpuctl ckpt pull {info.tag} --hf DIR` and "
+                          "start a new run with train.model: DIR")
+    say(f"resuming from {info.tag} (step {info.step}) in {store.url}")
+
+
+def _tag_step(tag: str) -> int:
+    digits = re.search(r"(\d+)$", tag)
+    return int(digits.group(1)) if digits else -1
+
+
+@dataclass
+class RunStatus:
+    record: state.RunRecord
+    state: str
+    exit_code: int | None
+    status: dict
+    summary: dict
+    last_metrics: dict
+
+    def to_json(self) -> dict:
+        return {"run_id": self.record.run_id, "cluster": self.record.cluster, "state": self.state,
+                "exit_code": self.exit_code, "run_dir": self.record.run_dir,
+                "world_size": self.record.world_size, "train_batch_size": self.record.train_batch_size,
+                "steps": self.summary.get("steps", self.last_metrics.get("step")),
+                "max_steps": self.record.max_steps,
+                "final_loss": self.summary.get("final_loss", self.last_metrics.get("loss")),
+                "tokens_per_s": self.summary.get("tokens_per_s", self.last_metrics.get("tokens_per_s")),
+                "started_at": self.status.get("started_at"), "ended_at": self.status.get("ended_at")}
+
+
+def _json_or_empty(text: str | None) -> dict:
+    try:
+        return json.loads(text) if text else {}
+    except json.JSONDecodeError:
+        return {}
+
+
+def node_of(run: state.RunRecord) -> Node:
+    cluster = state.load_cluster(run.cluster)
+    return backend(cluster.provider).nodes(cluster)[0]
+
+
+def read_status(run: state.RunRecord, node: Node) -> RunStatus:
+    status = _json_or_empty(node.read_text(f"{run.run_dir}/status.json"))
+    summary = _json_or_empty(node.read_text(f"{run.run_dir}/summary.json"))
+    tail = node.last_line(f"{run.run_dir}/metrics.jsonl")
+    run_state = status.get("state", run.state)
+    if run_state == "running" and run.pgid and not node.group_alive(run.pgid):
+        # It may have ended (and written status.json) since the reads above: read them again.
+        status = _json_or_empty(node.read_text(f"{run.run_dir}/status.json")) or status
+        summary = _json_or_empty(node.read_text(f"{run.run_dir}/summary.json")) or summary
+        run_state = status.get("state", "running")
+        if run_state == "running":
+            run_state = "lost"  # killed without writing its end (kill -9, node reboot)
+    result = RunStatus(run, run_state, status.get("exit_code"), status, summary, _json_or_empty(tail))
+    if run_state != run.state or result.exit_code != run.exit_code:
+        state.update_run(run.run_id, state=run_state, exit_code=result.exit_code)
+    return result
+
+
+def exit_code_of(status: RunStatus) -> int:
+    if status.state == "succeeded":
+        return 0
+    return status.exit_code if status.exit_code not in (None, 0) else 1
+
+
+def follow(run: state.RunRecord, out: Callable[[str], None], *, until_end: bool = True,
+           reconnect_s: float = 300) -> RunStatus:
+    """Print job.log from the start; with until_end, keep tailing until the run ends.
+
+    A dropped connection is retried until reconnect_s passes without a successful read.
+    """
+    offset = 0
+    node = None
+    last_ok = time.monotonic()
+    while True:
+        try:
+            node = node or node_of(run)
+            status = read_status(run, node)  # first: once it is terminal, the log read next is complete
+            chunk, next_offset = node.read_new(f"{run.run_dir}/job.log", offset)
+            last_ok = time.monotonic()
+        except RemoteError as exc:
+            if node is not None:
+                node.close()
+            node = None
+            if time.monotonic() - last_ok > reconnect_s:
+                raise GpuctlError(f"lost the connection to run {run.run_id}: {exc.message}",
+                                  "check the node, then `gpuctl logs -f` to reattach") from None
+            time.sleep(2)
+            continue
+        offset = next_offset
+        if chunk:
+            for line in chunk.splitlines():
+                out(line)
+        if not until_end or status.state in TERMINAL:
+            if node is not None:
+                node.close()
+            return status
+        time.sleep(POLL_S)
+
+
+def cancel(run: state.RunRecord, *, grace_s: float = 20) -> bool:
+    """Stop a run through the process group launch.sh recorded. True if it is gone."""
+    node = node_of(run)
+    try:
+        if not run.pgid or not node.group_alive(run.pgid):
+            return True
+        node.signal_group(run.pgid, "TERM")
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and node.group_alive(run.pgid):
+            time.sleep(0.5)
+        if node.group_alive(run.pgid):
+            node.signal_group(run.pgid, "KILL")
+            deadline = time.monotonic() + 10  # killed processes linger until reaped
+            while time.monotonic() < deadline and node.group_alive(run.pgid):
+                time.sleep(0.5)
+            from provision.flows.docker import remove_container
+
+            remove_container(run, node)  # a killed `docker run` client leaves its container running
+        gone = not node.group_alive(run.pgid)
+    finally:
+        node.close()
+    if gone:
+        state.update_run(run.run_id, state="cancelled" if run.state == "running" else run.state)
+    return gone
+
+
+RESULT_FILES = ("metrics.jsonl", "summary.json", "status.json")
+
+
+def fetch_results(run: state.RunRecord) -> Path:
+    """Copy the run's metrics/summary/status from the node into the state dir; return that dir.
+
+    Once the cluster is gone the last fetched copy is what remains (a local run's dir stays).
+    """
+    results = state.state_dir() / "results" / run.run_id  # named by run id: reports label runs by it
+    if state.find_cluster(run.cluster) is None:
+        return results if (results / "metrics.jsonl").is_file() else Path(run.run_dir)
+    node = node_of(run)
+    try:
+        results.mkdir(parents=True, exist_ok=True)
+        for name in RESULT_FILES:
+            text = node.read_text(f"{run.run_dir}/{name}")
+            if text is not None:
+                state.write_atomic(results / name, text)
+    finally:
+        node.close()
+    return results

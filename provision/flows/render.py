@@ -1,0 +1,191 @@
+"""jinja2 environment over templates/ -> a run bundle (see docs/CONTRACTS.md).
+
+Values reach JSON through the `json` filter and shell through `q` (shlex.quote) and
+`qjoin` (shlex.join): a path with `;` or `$(...)` in it arrives at the node verbatim.
+A `templates/` folder beside the user's gpuctl.yaml overrides any template by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jinja2
+
+from provision.core.config import GpuctlConfig, check_batch
+from provision.core.errors import ConfigError
+from provision.core.state import write_atomic
+
+TEMPLATES = {"hostfile": "hostfile.j2", "ds_config.json": "ds_config.json.j2",
+             "launch.sh": "launch.sh.j2", ".deepspeed_env": "deepspeed_env.j2"}
+# NCCL hangs without these on RTX 40-series (no NVLink, P2P disabled by the driver).
+RTX40_NCCL = {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
+# .deepspeed_env values are wrapped in double quotes by DeepSpeed, not escaped.
+UNSAFE_DS_ENV = re.compile(r'["$`\\\n]')
+# Multi-node secrets: DeepSpeed turns every .deepspeed_env line into `export K=V;` on the pdsh
+# command line (argv on every node) and logs that line (`cmd = ...`) into job.log, so secrets
+# cannot travel that way. Instead each node's copy of the bundle holds the 0600 secrets.env, and
+# DeepSpeed's --venv_script makes the remote shell source this script (which loads it) before it
+# starts that node's ranks; the trainer deletes it once all ranks are up (trainer.checkpoint
+# .drop_secrets_file). Only the script's path is on the command line.
+NODE_ENV = "node_env.sh"
+
+
+@dataclass
+class BundleNode:
+    host: str
+    slots: int
+
+
+@dataclass
+class BundleSpec:
+    """Everything the templates need that is not in the config itself."""
+
+    run_id: str
+    run_dir: str  # absolute path on the first node
+    nodes: list[BundleNode]
+    python: str
+    accelerator: str = "cpu"  # cpu | cuda
+    gpu_name: str | None = None
+    master_addr: str = "127.0.0.1"
+    ssh_port: int | None = None
+    resume: str | None = None
+    setup: str | None = None
+    after_run: list[list[str]] = field(default_factory=list)
+    secrets: dict[str, str] = field(default_factory=dict)
+    launcher_prefix: list[str] = field(default_factory=list)  # e.g. a `docker run ...` wrapper
+    # Budget cap: launch.sh starts a watchdog that, after watchdog_s seconds, stops the run and
+    # runs watchdog_run (the node's self-teardown) even if the run hangs. None: no watchdog.
+    watchdog_s: int | None = None
+    watchdog_run: list[list[str]] = field(default_factory=list)
+    # Multi-node: the first node's ssh config pdsh uses to reach every node (provision/mesh.py):
+    # per-node Port/User/key and pinned host keys, so no --ssh_port and no DeepSpeed ssh check.
+    ssh_config: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return sum(n.slots for n in self.nodes)
+
+
+def packaged_templates() -> Path:
+    package = Path(__file__).resolve().parents[1]  # provision/
+    wheel = package / "templates"  # the wheel carries them inside the package
+    return wheel if wheel.is_dir() else package.parent / "templates"
+
+
+def template_env(config_dir: Path | None) -> jinja2.Environment:
+    search = [str(packaged_templates())]
+    if config_dir is not None and (config_dir / "templates").is_dir():
+        search.insert(0, str(config_dir / "templates"))
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(search), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True, autoescape=False)
+    env.filters["q"] = lambda value: shlex.quote(str(value))
+    env.filters["qjoin"] = lambda argv: shlex.join(str(a) for a in argv)
+    env.filters["json"] = json.dumps
+    return env
+
+
+def rank_env(cfg: GpuctlConfig, spec: BundleSpec) -> dict[str, str]:
+    env: dict[str, str] = {}
+    if spec.accelerator == "cpu":
+        env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    if spec.gpu_name and re.search(r"RTX 40\d0|RTX 4090|RTX 4080|RTX 4070", spec.gpu_name):
+        env.update(RTX40_NCCL)
+    env.update(cfg.env)  # the user's word wins, NCCL overrides included
+    return env
+
+
+def launcher_argv(spec: BundleSpec) -> list[str]:
+    argv = [*spec.launcher_prefix, spec.python, "-u", "-m", "deepspeed.launcher.runner",
+            "--hostfile", "hostfile", "--master_addr", spec.master_addr, "--no_local_rank"]
+    if len(spec.nodes) == 1:
+        argv.append("--no_ssh_check")  # one host: DeepSpeed launches locally, no pdsh
+    else:
+        argv += ["--launcher", "pdsh"]
+        if spec.secrets:  # each node sources its own secrets.env (see NODE_ENV), not .deepspeed_env
+            argv += ["--venv_script", f"{spec.run_dir}/{NODE_ENV}"]
+        if spec.ssh_config:  # gpuctl checked node-to-node SSH at `up`; DeepSpeed's check ignores -F
+            argv.append("--no_ssh_check")
+        elif spec.ssh_port:
+            argv += ["--ssh_port", str(spec.ssh_port)]
+    return argv
+
+
+def run_json(cfg: GpuctlConfig, spec: BundleSpec, data_rel: str) -> dict:
+    train = cfg.train.model_dump(exclude={"train_batch_size"})
+    train["data"] = data_rel
+    return {"run_id": spec.run_id, "ds_config": "ds_config.json", "num_nodes": len(spec.nodes),
+            "train": train, "storage": cfg.storage_settings(for_node=True), "resume": spec.resume}
+
+
+def render_bundle(cfg: GpuctlConfig, spec: BundleSpec, out_dir: Path) -> Path:
+    """Write the run bundle into out_dir. Touches no machine."""
+    batch = check_batch(cfg.train, spec.world_size)
+    env = rank_env(cfg, spec)
+    if len(spec.nodes) > 1:
+        bad = [k for k, v in env.items() if UNSAFE_DS_ENV.search(v)]
+        if bad:
+            raise ConfigError(f"env.{bad[0]} has a quote, $, backslash or newline, which DeepSpeed's "
+                              "multi-node launcher cannot pass", "simplify the value")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data_rel = _ship_data(cfg, out_dir)
+    context = dict(run_id=spec.run_id, run_dir=spec.run_dir, nodes=spec.nodes, train=cfg.train,
+                   train_batch_size=batch, accelerator=spec.accelerator, env=env,
+                   python=spec.python, world_size=spec.world_size, setup=spec.setup,
+                   launcher=launcher_argv(spec), script=["--module", "trainer", "run.json"],
+                   after_run=spec.after_run, watchdog_s=spec.watchdog_s, watchdog_run=spec.watchdog_run,
+                   ssh_config=spec.ssh_config if len(spec.nodes) > 1 else None)
+    jinja = template_env(cfg.base_dir)
+    for name, template in TEMPLATES.items():
+        try:
+            text = jinja.get_template(template).render(**context)
+        except jinja2.TemplateError as exc:
+            raise ConfigError(f"template {template}: {exc}", "fix or remove your override in templates/") from None
+        mode = 0o755 if name.endswith(".sh") else 0o600 if name.startswith(".") else 0o644
+        write_atomic(out_dir / name, text, mode)
+    json.loads((out_dir / "ds_config.json").read_text())  # a broken override fails here, not on the node
+    write_atomic(out_dir / "run.json", json.dumps(run_json(cfg, spec, data_rel), indent=2) + "\n")
+    if spec.secrets:
+        lines = "".join(f"{k}={shlex.quote(v)}\n" for k, v in spec.secrets.items())
+        write_atomic(out_dir / "secrets.env", lines, 0o600)
+        if len(spec.nodes) > 1:
+            write_atomic(out_dir / NODE_ENV, _node_env_script(spec.run_dir), 0o644)
+    _ship_trainer(out_dir / "lib" / "trainer")
+    return out_dir
+
+
+def _node_env_script(run_dir: str) -> str:
+    secrets = shlex.quote(f"{run_dir}/secrets.env")
+    return ("# Sourced on every node by DeepSpeed's pdsh launcher (--venv_script) before it starts the\n"
+            "# node's ranks: they get the run's secrets (storage credentials) without any command line\n"
+            "# or log carrying them. The trainer deletes the file once every rank of every node is up\n"
+            "# (not here: run dirs on a shared filesystem are one file for all nodes).\n"
+            f"if [ -f {secrets} ]; then set -a; . {secrets}; set +a; export GPUCTL_SECRETS_FILE={secrets}; fi\n")
+
+
+def _ship_data(cfg: GpuctlConfig, out_dir: Path) -> str:
+    source = cfg.data_path()
+    if source is None:
+        return cfg.train.data
+    (out_dir / "data").mkdir(exist_ok=True)
+    target = out_dir / "data" / source.name
+    if not target.exists():
+        try:
+            os.link(source, target)  # same filesystem: no copy of a large file
+        except OSError:
+            shutil.copy2(source, target)
+    return f"data/{source.name}"
+
+
+def _ship_trainer(target: Path) -> None:
+    import trainer  # the light package object only; trainer/__init__ imports no torch
+
+    source = Path(trainer.__file__).resolve().parent
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))

@@ -1,0 +1,338 @@
+"""Provider `ssh`: machines you already have, listed in gpuctl.yaml as user@host:port.
+
+`up` connects to every host (retrying a booting one with backoff until
+provider.ready_timeout), pins its host key in gpuctl's known_hosts on first contact,
+checks the node (python with torch/deepspeed/transformers, or a container runtime; GPUs and
+driver via nvidia-smi; free disk; RAM) and records the cluster. With 2+ hosts it also sets
+up node-to-node SSH for DeepSpeed's pdsh launcher (provision/mesh.py). `down` stops the
+processes of this cluster's runs on every node and removes what `up` put there; the
+machines themselves are yours and stay.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from tenacity import Retrying, retry_if_exception, stop_before_delay, wait_exponential
+
+from provision.transport.ssh import mesh
+from provision.core import state
+from provision.core.config import GpuctlConfig, SSHProvider
+from provision.core.errors import ConfigError, RemoteError
+from provision.providers.base import ProviderBackend, SelfTeardown, UpOptions
+from provision.transport.remote import Node
+from provision.transport.ssh.node import ConnectError, SSHNode, parse_host_spec
+
+NODE_MODULES = ("torch", "deepspeed", "transformers")
+LOW_DISK_GB = 20
+SAFE_PATH = re.compile(r"^[A-Za-z0-9_./+=:@-]+$")
+
+# $1 = the configured python. Prints key=value lines; needs nothing but a POSIX shell + bash.
+PROBE = r'''echo "home=$HOME"
+if p=$(command -v "$1" 2>/dev/null); then
+  echo "python=$p"
+  "$p" -c 'import importlib.util as u, sys
+print("missing=" + ",".join(m for m in sys.argv[1:] if u.find_spec(m) is None))
+print("pyver=%d.%d.%d" % sys.version_info[:3])' torch deepspeed transformers 2>/dev/null
+fi
+for t in docker podman pdsh ssh; do command -v "$t" >/dev/null 2>&1 && echo "tool=$t"; done
+if command -v nvidia-smi >/dev/null 2>&1; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader,nounits 2>/dev/null | sed 's/^/gpu=/'
+fi
+echo "disk_kb=$(df -Pk "$HOME" 2>/dev/null | awk 'NR==2{print $4}')"
+echo "mem_kb=$(awk '/^MemTotal:/{print $2}' /proc/meminfo 2>/dev/null)"
+echo "cpus=$(nproc 2>/dev/null)"'''
+
+# $1 = a run dir, $2 = signal: signal every process whose cwd is in that run dir (the
+# launcher, pdsh, DeepSpeed's per-node launcher and the ranks all `cd` there). Prints pids.
+SIGNAL_RUN = r'''for p in /proc/[0-9]*; do
+  c=$(readlink "$p/cwd" 2>/dev/null) || continue
+  case "$c" in "$1"|"$1"/*) pid=${p#/proc/}; [ "$pid" = "$$" ] || { kill -s "$2" "$pid" 2>/dev/null && echo "$pid"; };; esac
+done; exit 0'''
+
+
+@dataclass
+class Target:
+    user: str
+    address: str
+    port: int
+
+    @property
+    def where(self) -> str:
+        return f"{self.user}@{self.address}:{self.port}"
+
+
+@dataclass
+class NodeFacts:
+    home: str = ""
+    python: str | None = None
+    pyver: str | None = None
+    missing: list[str] = field(default_factory=list)
+    tools: set[str] = field(default_factory=set)
+    gpus: list[tuple[str, str, str]] = field(default_factory=list)  # name, driver, MiB
+    disk_gb: float | None = None
+    mem_gb: float | None = None
+    cpus: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "NodeFacts":
+        facts = cls()
+        for line in text.splitlines():
+            key, _, value = line.partition("=")
+            value = value.strip()
+            if key == "home":
+                facts.home = value
+            elif key == "python":
+                facts.python = value
+            elif key == "pyver":
+                facts.pyver = value
+            elif key == "missing":
+                facts.missing = [m for m in value.split(",") if m]
+            elif key == "tool":
+                facts.tools.add(value)
+            elif key == "gpu":
+                parts = [p.strip() for p in value.split(",")] + ["", ""]
+                facts.gpus.append((parts[0], parts[1], parts[2]))
+            elif key == "disk_kb" and value.isdigit():
+                facts.disk_gb = int(value) / 1024**2
+            elif key == "mem_kb" and value.isdigit():
+                facts.mem_gb = int(value) / 1024**2
+            elif key == "cpus" and value.isdigit():
+                facts.cpus = int(value)
+        return facts
+
+    @property
+    def has_modules(self) -> bool:
+        return self.python is not None and not self.missing
+
+    @property
+    def runtime(self) -> str | None:
+        return next((t for t in ("docker", "podman") if t in self.tools), None)
+
+
+def targets(prov: SSHProvider) -> list[Target]:
+    out = []
+    for spec in prov.hosts:
+        user, host, port = parse_host_spec(spec)
+        out.append(Target(user or "root", host, port or 22))
+    return out
+
+
+def identity_path(cfg: GpuctlConfig) -> str | None:
+    prov = cfg.provider
+    if not prov.identity_file:
+        return None
+    path = Path(prov.identity_file).expanduser()
+    return str(path if path.is_absolute() else (Path.cwd() / path).resolve())
+
+
+def hostfile_names(found: list[Target]) -> list[str]:
+    """What the hostfile (and pdsh -w) calls each node: its address, `user@address` when its
+    user differs from the first node's (pdsh would log in as the first node's user), and
+    `node<i>` aliases when two nodes share an address (the node ssh config maps them)."""
+    if len({t.address for t in found}) < len(found):
+        return [f"node{i}" for i in range(len(found))]
+    first = found[0].user
+    return [t.address if t.user == first else f"{t.user}@{t.address}" for t in found]
+
+
+def probe(target: Target, prov: SSHProvider, identity: str | None, deadline_s: float,
+          say: Callable[[str], None]) -> tuple[SSHNode, NodeFacts]:
+    """Connect (pinning the key on first contact) and read the node's facts; a node still
+    booting (refused, no answer, no banner yet) is retried with backoff until the deadline."""
+    node = SSHNode(target.address, target.port, target.user, identity,
+                   connect_timeout=prov.connect_timeout, pin_new=True)
+
+    def note(retry_state) -> None:
+        exc = retry_state.outcome.exception()
+        say(f"{target.where}: not ready ({exc.message.split(': ', 1)[-1]}); retrying")
+
+    retrying = Retrying(retry=retry_if_exception(lambda e: isinstance(e, ConnectError) and e.transient),
+                        wait=wait_exponential(multiplier=0.5, max=8), stop=stop_before_delay(deadline_s),
+                        before_sleep=note, reraise=True)
+    for attempt in retrying:
+        with attempt:
+            result = node.sh(PROBE, prov.python, timeout=max(30.0, prov.connect_timeout * 3))
+    return node, NodeFacts.parse(result.stdout)
+
+
+def slots_for(prov: SSHProvider, facts: NodeFacts, where: str) -> tuple[int, str, str | None]:
+    """(slots, accelerator, gpu name) for a node."""
+    if facts.gpus:
+        slots = prov.gpus_per_node or len(facts.gpus)
+        if slots > len(facts.gpus):
+            raise ConfigError(f"provider.gpus_per_node is {slots} but {where} has {len(facts.gpus)} GPUs",
+                              f"set gpus_per_node to at most {len(facts.gpus)}")
+        return slots, "cuda", facts.gpus[0][0]
+    if prov.gpus_per_node:  # no nvidia-smi on the host (e.g. only inside the container): trust the config
+        return prov.gpus_per_node, "cuda", None
+    return prov.cpu_ranks, "cpu", None
+
+
+def describe(facts: NodeFacts, slots: int, accel: str) -> str:
+    if facts.gpus:
+        name, driver, mib = facts.gpus[0]
+        what = f"{slots} x {name} (driver {driver}, {int(mib or 0) // 1024} GiB)"
+    else:
+        what = f"{slots} {'GPU' if accel == 'cuda' else 'CPU'} ranks" + ("" if accel == "cuda" else " (no GPU seen)")
+    disk = f"{facts.disk_gb:.0f} GB free disk" if facts.disk_gb is not None else "disk unknown"
+    mem = f"{facts.mem_gb:.0f} GB RAM" if facts.mem_gb is not None else "RAM unknown"
+    py = f"python {facts.pyver} at {facts.python}" if facts.python else "no python"
+    return f"{what}, {py}, {disk}, {mem}"
+
+
+class SSHBackend(ProviderBackend):
+    def up(self, cfg: GpuctlConfig, opts: UpOptions) -> state.ClusterRecord | None:
+        prov = cfg.provider
+        assert isinstance(prov, SSHProvider)
+        found = targets(prov)
+        identity = identity_path(cfg)
+        if opts.dry_run:
+            for t in found:
+                opts.say(f"would connect to {t.where} (key {identity or 'agent/default'}) and check it")
+            return None
+        started = time.monotonic()
+        nodes: list[SSHNode] = []
+        facts: list[NodeFacts] = []
+        for t in found:
+            left = max(1.0, prov.ready_timeout - (time.monotonic() - started))
+            node, fact = probe(t, prov, identity, left, opts.say)
+            nodes.append(node)
+            facts.append(fact)
+        runtime = self._runtime(prov, found, facts)
+        workdir = self._workdir(prov, nodes, facts)
+        names = hostfile_names(found)
+        records = []
+        for t, fact, name in zip(found, facts, names):
+            slots, accel, gpu = slots_for(prov, fact, t.where)
+            records.append(state.NodeRecord(host=name, address=t.address, port=t.port, user=t.user, slots=slots,
+                                            accelerator=accel, gpu_name=gpu, workdir=workdir))
+            opts.say(f"{t.where}: {describe(fact, slots, accel)}")
+            if fact.disk_gb is not None and fact.disk_gb < LOW_DISK_GB:
+                opts.say(f"warning: {t.where} has only {fact.disk_gb:.1f} GB free in {fact.home}; "
+                         "checkpoints may not fit")
+        if len({r.accelerator for r in records}) > 1:
+            raise ConfigError("some hosts have GPUs and some do not", "list hosts of one kind in provider.hosts")
+        python = facts[0].python if runtime == "none" and facts[0].python else prov.python
+        cluster = state.ClusterRecord(name=cfg.cluster_name, provider="ssh", nodes=records, python=python,
+                                      runtime=runtime, image=prov.image if runtime == "docker" else None,
+                                      identity_file=identity)
+        if len(records) > 1:
+            self._check_multinode(cluster, found, facts, runtime)
+            try:
+                mesh.setup(cluster, nodes, prov.authorized_keys, opts.say)
+            except BaseException:
+                mesh.teardown(cluster, nodes, opts.say)  # this attempt's key off the nodes again
+                raise
+        return cluster
+
+    def _runtime(self, prov: SSHProvider, found: list[Target], facts: list[NodeFacts]) -> str:
+        mode = prov.runtime
+        if mode == "auto":
+            ready = all(f.has_modules for f in facts)
+            mode = "docker" if not ready and prov.image and all(f.runtime for f in facts) else "none"
+        if mode == "docker":
+            lacking = [t.where for t, f in zip(found, facts) if not f.runtime]
+            if lacking:
+                raise ConfigError(f"provider.runtime is docker but {lacking[0]} has no docker/podman",
+                                  "install Docker there, or set runtime: none with a python that has deepspeed")
+            if not prov.image:
+                raise ConfigError("provider.runtime is docker but provider.image is not set",
+                                  "set provider.image to the trainer image")
+            return "docker"
+        for t, f in zip(found, facts):
+            if f.python is None and not prov.setup:
+                raise ConfigError(f"{t.where}: {prov.python} not found on the node",
+                                  "set provider.python to an interpreter there, or provider.setup to install one")
+            if f.missing and not prov.setup:
+                raise ConfigError(f"{t.where}: {f.python} lacks {', '.join(f.missing)}",
+                                  "pip install 'gpuctl[train]' there (torch first), set provider.python to a "
+                                  "python that has them, or set provider.setup to install them")
+        return "none"
+
+    def _workdir(self, prov: SSHProvider, nodes: list[SSHNode], facts: list[NodeFacts]) -> str:
+        """One path on every node (DeepSpeed's pdsh launch `cd`s to the first node's run dir)."""
+        home = facts[0].home.rstrip("/") or "/root"
+        workdir = prov.workdir or "gpuctl"
+        if workdir.startswith("~/") or workdir == "~":
+            workdir = home + workdir[1:]
+        elif not workdir.startswith("/"):
+            workdir = f"{home}/{workdir}"
+        for node in nodes:
+            result = node.sh('[ -d "$1" ] || { mkdir -p -- "$1" && chmod 700 -- "$1"; }; [ -w "$1" ]',
+                             workdir, check=False, timeout=60)
+            if result.rc != 0:
+                raise ConfigError(f"{node.label}: cannot create or write {workdir}",
+                                  "set provider.workdir to a folder the SSH user may write on every node")
+        return workdir
+
+    def _check_multinode(self, cluster: state.ClusterRecord, found: list[Target], facts: list[NodeFacts],
+                         runtime: str) -> None:
+        first = facts[0]
+        for what, value in (("workdir", cluster.nodes[0].workdir), ("python", cluster.python)):
+            if not SAFE_PATH.match(value):
+                raise ConfigError(f"provider.{what} {value!r} has spaces or shell characters; DeepSpeed's "
+                                  "multi-node launcher pastes it unquoted into the pdsh command",
+                                  f"use a {what} path of letters, digits and ._+-/ only")
+        for tool in ("pdsh", "ssh"):
+            if runtime == "none" and tool not in first.tools:
+                raise ConfigError(f"{found[0].where}: `{tool}` is not installed; DeepSpeed's multi-node "
+                                  "launcher runs pdsh over ssh from the first node",
+                                  "apt-get install -y pdsh openssh-client on the first node")
+        if runtime == "none":
+            for t, f in zip(found[1:], facts[1:]):
+                if f.python and first.python and f.python != first.python:
+                    raise ConfigError(f"python is {first.python} on {found[0].where} but {f.python} on {t.where}; "
+                                      "DeepSpeed starts the ranks with the first node's interpreter path",
+                                      "install the same python path on every node (or set provider.python)")
+
+    def nodes(self, cluster: state.ClusterRecord) -> list[Node]:
+        return [SSHNode.from_record(n, cluster.identity_file) for n in cluster.nodes]
+
+    def down(self, cluster: state.ClusterRecord, say: Callable[[str], None]) -> None:
+        nodes = self.nodes(cluster)
+        run_dirs = [r.run_dir for r in state.list_runs(cluster.name)]
+        try:
+            for node in nodes:
+                try:
+                    stop_run_processes(node, run_dirs, say)
+                except RemoteError as exc:
+                    say(f"warning: could not reach {node.label} to stop its run processes: {exc.message}")
+            mesh.teardown(cluster, nodes, say)
+        finally:
+            for node in nodes:
+                node.close()
+        say(f"{len(nodes)} SSH host(s) disconnected (the machines stay; gpuctl forgets the cluster)")
+
+    def self_teardown(self, cluster: state.ClusterRecord) -> SelfTeardown | None:
+        return None  # your own machines: nothing to delete
+
+
+def stop_run_processes(node: Node, run_dirs: list[str], say: Callable[[str], None], grace_s: float = 10) -> int:
+    """TERM, then KILL, every process working in one of these run dirs on the node.
+
+    Finds them by their cwd (/proc/PID/cwd), never by name: DeepSpeed's launcher, pdsh and
+    the ranks all run in the run dir. Returns how many processes were signalled.
+    """
+    hit: set[str] = set()
+    for run_dir in run_dirs:
+        hit |= set(node.sh(SIGNAL_RUN, run_dir, "TERM", timeout=60).stdout.split())
+    if not hit:
+        return 0
+    deadline = time.monotonic() + grace_s
+    left = set(hit)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        alive = node.sh('for p in "$@"; do [ -d "/proc/$p" ] && echo "$p"; done; exit 0', *left, timeout=60)
+        left = set(alive.stdout.split())
+    for run_dir in run_dirs if left else []:
+        node.sh(SIGNAL_RUN, run_dir, "KILL", timeout=60)
+    say(f"{node.label}: stopped {len(hit)} run process(es)")
+    return len(hit)
+
+
+BACKEND = SSHBackend()

@@ -1,0 +1,132 @@
+"""How commands reach a node: a local subprocess or SSH, behind the same methods.
+
+Commands are argv lists. The SSH side joins them with shlex.join, so user values arrive
+verbatim; nothing is pasted into a shell string unquoted.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from provision.core.errors import RemoteError
+
+LineSink = Callable[[str], None]
+
+# Started in its own session so the whole run is one process group we can signal, and so
+# it survives gpuctl (or the SSH connection) going away. The `cd` must not be part of the
+# backgrounded list: `cd && setsid ... &` forks a subshell that keeps the caller's stdout
+# (an SSH channel or pipe then stays open for the whole run) and whose pid ($!) is not the
+# run's process group. A lone simple command is forked and exec'd: $! = setsid's pid = pgid.
+DETACH_SCRIPT = 'cd "$1" || exit 97; setsid nohup bash "$2" > "$3" 2>&1 < /dev/null & echo $!'
+
+
+@dataclass
+class CommandResult:
+    rc: int
+    stdout: str
+    stderr: str
+
+
+class Node:
+    """Shell-level helpers shared by every transport. Subclasses provide run and put_dir."""
+
+    label = "node"
+
+    def run(self, argv: list[str], *, check: bool = True, timeout: float | None = None,
+            stream: LineSink | None = None, stdin: bytes | None = None) -> CommandResult:
+        raise NotImplementedError
+
+    def put_dir(self, local: Path, remote: str) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release connections; safe to call twice."""
+
+    def sh(self, script: str, *args: str, check: bool = True, timeout: float | None = None,
+           stream: LineSink | None = None) -> CommandResult:
+        """Run a fixed bash script; values travel as positional args, never pasted into it."""
+        return self.run(["bash", "-c", script, "gpuctl", *args], check=check, timeout=timeout,
+                        stream=stream)
+
+    def read_text(self, path: str) -> str | None:
+        result = self.sh('[ -f "$1" ] && cat -- "$1"', path, check=False, timeout=60)
+        return result.stdout if result.rc == 0 else None
+
+    def write_text(self, path: str, text: str, mode: str = "600") -> None:
+        # The parent by parameter expansion: $(dirname) would drop a trailing newline of a name.
+        script = 'umask 077; case "$1" in */*) d="${1%/*}";; *) d=.;; esac; mkdir -p -- "${d:-/}" && cat > "$1" && chmod "$2" "$1"'
+        self.run(["bash", "-c", script, "gpuctl", path, mode], stdin=text.encode(), timeout=60)
+
+    def start_detached(self, cwd: str, script: str, log: str) -> int:
+        """Start `bash script` in cwd, detached, output to log; returns its pid (= its pgid)."""
+        out = self.sh(DETACH_SCRIPT, cwd, script, log, timeout=60).stdout.strip()
+        try:
+            return int(out.splitlines()[-1])
+        except (ValueError, IndexError):
+            raise RemoteError(f"{self.label}: could not start {script} (got {out!r})") from None
+
+    def read_new(self, path: str, offset: int) -> tuple[str, int]:
+        """What a growing file holds from byte `offset` on, and the offset after it."""
+        text = self.sh('[ -f "$1" ] && tail -c +"$2" -- "$1"', path, str(offset + 1), check=False, timeout=60).stdout
+        return text, offset + len(text.encode())
+
+    def last_line(self, path: str) -> str:
+        """The last line of a file ("" when missing)."""
+        return self.sh('[ -f "$1" ] && tail -n 1 -- "$1"', path, check=False, timeout=60).stdout
+
+    def group_alive(self, pgid: int) -> bool:
+        return self.sh('kill -0 -- "-$1" 2>/dev/null', str(pgid), check=False, timeout=30).rc == 0
+
+    def signal_group(self, pgid: int, sig: str = "TERM") -> None:
+        self.sh('kill -s "$2" -- "-$1" 2>/dev/null || true', str(pgid), sig, check=False, timeout=30)
+
+    def home(self) -> str:
+        return self.sh('printf %s "$HOME"', timeout=30).stdout
+
+
+def _pump(pipe, sink: LineSink | None, into: list[str]) -> None:
+    for line in iter(pipe.readline, ""):
+        into.append(line)
+        if sink:
+            sink(line.rstrip("\n"))
+    pipe.close()
+
+
+class LocalNode(Node):
+    """This machine. Used by provider `local`."""
+
+    label = "localhost"
+
+    def run(self, argv: list[str], *, check: bool = True, timeout: float | None = None,
+            stream: LineSink | None = None, stdin: bytes | None = None) -> CommandResult:
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out: list[str] = []
+        err: list[str] = []
+        pumps = [threading.Thread(target=_pump, args=(proc.stdout, stream, out), daemon=True),
+                 threading.Thread(target=_pump, args=(proc.stderr, None, err), daemon=True)]
+        for pump in pumps:
+            pump.start()
+        if stdin is not None:
+            proc.stdin.write(stdin.decode())
+            proc.stdin.close()
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise RemoteError(f"localhost: {shlex.join(argv)[:120]} timed out after {timeout}s") from None
+        for pump in pumps:
+            pump.join()
+        result = CommandResult(rc, "".join(out), "".join(err))
+        if check and rc != 0:
+            raise RemoteError(f"localhost: {argv[0]} exited {rc}: {result.stderr.strip()[-300:]}")
+        return result
+
+    def put_dir(self, local: Path, remote: str) -> None:
+        shutil.copytree(local, remote, dirs_exist_ok=True, symlinks=True)

@@ -1,0 +1,365 @@
+"""SSH transport: SSHNode, a remote.Node over paramiko; forget_host.
+
+``SSHNode(address, port=22, user="root", identity_file=None, *, connect_timeout=15,
+pin_new=False, label=None)``
+    A remote.Node over SSH. Commands are argv lists joined with shlex.join, so user values
+    arrive verbatim. One paramiko connection per (user, address, port, key) per gpuctl
+    process, opened on first use and reused by every SSHNode for that host; a broken one is
+    dropped and the next call reconnects. ``pin_new=True`` (only `gpuctl up`, on first
+    contact) records an unknown host key in gpuctl's known_hosts; otherwise an unknown key is
+    refused, and a changed key is always refused (`gpuctl forget-host HOST` resets it).
+    Every failure is a RemoteError with one line; connection failures are ConnectError,
+    whose ``transient`` says whether retrying can help (refused, timeout, no banner yet).
+
+``forget_host(spec) -> int`` removes a host's pinned keys (``host``, ``host:port`` or
+``user@host:port``), closes its pooled connections and returns how many lines went.
+
+The cloud providers and tests also import from here what the helper modules define:
+ConnectError and wait_for_ssh (sshconnect), known_hosts_path (hostkeys), walk_shipped (ignore).
+"""
+
+from __future__ import annotations
+
+import atexit
+import codecs
+import os
+import posixpath
+import select
+import shlex
+import stat
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import paramiko
+
+from provision.core import state
+from provision.core.errors import RemoteError
+from provision.transport.ssh.hostkeys import known_hosts_path, unpin
+from provision.transport.ignore import walk_shipped
+from provision.transport.remote import CommandResult, LineSink, Node
+from provision.transport.ssh.connect import DEFAULT_CONNECT_TIMEOUT, ConnectError, endpoint, open_client, wait_for_ssh
+
+__all__ = ["ConnectError", "SSHNode", "forget_host", "known_hosts_path", "parse_host_spec",
+           "wait_for_ssh", "walk_shipped"]
+
+IO_TIMEOUT = 30.0  # an SFTP reply slower than this means a hung connection (half-open TCP)
+
+
+# --- connections ---------------------------------------------------------------------------
+
+_POOL: dict[tuple, paramiko.SSHClient] = {}
+_POOL_LOCK = threading.Lock()
+
+
+def _close_all() -> None:
+    with _POOL_LOCK:
+        clients = list(_POOL.values())
+        _POOL.clear()
+    for client in clients:
+        client.close()
+
+
+atexit.register(_close_all)
+
+
+def _forget_connections(address: str, port: int | None) -> None:
+    with _POOL_LOCK:
+        keys = [k for k in _POOL if k[1] == address and (port is None or k[2] == port)]
+        clients = [_POOL.pop(k) for k in keys]
+    for client in clients:
+        client.close()
+
+
+def parse_host_spec(spec: str) -> tuple[str | None, str, int | None]:
+    """`user@host:port` -> (user, host, port); user and port may be absent."""
+    from provision.core.config import HOST_RE
+
+    match = HOST_RE.match(spec.strip())
+    if not match:
+        raise RemoteError(f"{spec!r} is not host, host:port or user@host:port")
+    return match["user"], match["host"], int(match["port"]) if match["port"] else None
+
+
+def forget_host(spec: str) -> int:
+    """Drop the pinned keys of a host (every port when none is given). Returns lines removed."""
+    _user, host, port = parse_host_spec(spec)
+    removed = unpin(host, port)
+    _forget_connections(host, port)
+    return removed
+
+
+# --- the node ------------------------------------------------------------------------------
+
+class SSHNode(Node):
+    """A machine reached over SSH; see the module docstring."""
+
+    def __init__(self, address: str, port: int = 22, user: str = "root", identity_file: str | None = None,
+                 *, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT, pin_new: bool = False,
+                 label: str | None = None, io_timeout: float = IO_TIMEOUT):
+        self.address = address
+        self.port = int(port)
+        self.user = user
+        self.identity_file = identity_file
+        self.connect_timeout = connect_timeout
+        self.pin_new = pin_new
+        self.io_timeout = io_timeout
+        self.label = label or endpoint(user, address, self.port)
+        # The known_hosts file is part of the key: a connection checked against another state
+        # dir's pins (tests, GPUCTL_STATE_DIR switches) is not reused.
+        self._key = (user, address, self.port, identity_file, str(known_hosts_path()))
+
+    @classmethod
+    def from_record(cls, node: "state.NodeRecord", identity_file: str | None = None, **kw) -> "SSHNode":
+        return cls(node.address, node.port, node.user or "root", identity_file, **kw)
+
+    # connection ---------------------------------------------------------------------------
+    def client(self) -> paramiko.SSHClient:
+        """The process-wide connection to this host, (re)opened when missing or broken."""
+        with _POOL_LOCK:
+            client = _POOL.get(self._key)
+            if client is not None:
+                transport = client.get_transport()
+                if transport is not None and transport.is_active():
+                    return client
+                _POOL.pop(self._key, None)
+        if client is not None:
+            client.close()
+        fresh = open_client(self.address, self.port, self.user, self.identity_file,
+                            timeout=self.connect_timeout, pin_new=self.pin_new)
+        with _POOL_LOCK:
+            other = _POOL.get(self._key)
+            if other is not None and other.get_transport() and other.get_transport().is_active():
+                fresh.close()
+                return other
+            _POOL[self._key] = fresh
+        return fresh
+
+    def drop_connection(self) -> None:
+        """Close the pooled connection (after an error, so the next call reconnects)."""
+        with _POOL_LOCK:
+            client = _POOL.pop(self._key, None)
+        if client is not None:
+            client.close()
+
+    def close(self) -> None:
+        """Release this handle. A healthy pooled connection stays for the rest of the process."""
+        with _POOL_LOCK:
+            client = _POOL.get(self._key)
+        transport = client.get_transport() if client else None
+        if client is not None and (transport is None or not transport.is_active()):
+            self.drop_connection()
+
+    # commands -----------------------------------------------------------------------------
+    def run(self, argv: list[str], *, check: bool = True, timeout: float | None = None,
+            stream: LineSink | None = None, stdin: bytes | None = None) -> CommandResult:
+        command = shlex.join(str(a) for a in argv)
+        transport = self.client().get_transport()
+        try:
+            chan = transport.open_session(timeout=self.connect_timeout)
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            self.drop_connection()
+            raise RemoteError(f"{self.label}: connection lost ({exc or type(exc).__name__})",
+                              "check the node; gpuctl reconnects on the next command") from None
+        try:
+            result = self._exchange(chan, command, timeout, stream, stdin)
+        finally:
+            chan.close()
+        if check and result.rc != 0:
+            detail = (result.stderr.strip() or result.stdout.strip())[-300:]
+            raise RemoteError(f"{self.label}: {argv[0] if argv else '?'} exited {result.rc}: {detail}")
+        return result
+
+    def _exchange(self, chan: paramiko.Channel, command: str, timeout: float | None,
+                  stream: LineSink | None, stdin: bytes | None) -> CommandResult:
+        deadline = time.monotonic() + timeout if timeout else None
+        out, err = bytearray(), bytearray()
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        pending = ""
+        try:
+            chan.exec_command(command)
+            if stdin:
+                chan.sendall(stdin)
+            chan.shutdown_write()
+            while True:
+                select.select([chan], [], [], 0.5)
+                while chan.recv_ready():
+                    data = chan.recv(65536)
+                    out += data
+                    if stream:
+                        pending += decoder.decode(data)
+                        *lines, pending = pending.split("\n")
+                        for line in lines:
+                            stream(line)
+                while chan.recv_stderr_ready():
+                    err += chan.recv_stderr(65536)
+                if chan.eof_received and not chan.recv_ready() and not chan.recv_stderr_ready():
+                    break
+                if chan.closed or not chan.get_transport().is_active():
+                    raise EOFError("connection closed")
+                if deadline and time.monotonic() > deadline:
+                    raise TimeoutError
+            left = max(0.1, deadline - time.monotonic()) if deadline else self.connect_timeout + 30
+            if not chan.status_event.wait(left):
+                raise TimeoutError
+        except TimeoutError:
+            # the command, or the connection under it, hangs: the next call starts a fresh one
+            self.drop_connection()
+            raise RemoteError(f"{self.label}: {command[:120]} timed out after {timeout}s") from None
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            self.drop_connection()
+            raise RemoteError(f"{self.label}: connection lost ({exc or type(exc).__name__})",
+                              "check the node; gpuctl reconnects on the next command") from None
+        if stream:
+            pending += decoder.decode(b"", final=True)
+            if pending:
+                stream(pending)
+        return CommandResult(chan.recv_exit_status(), out.decode("utf-8", "replace"),
+                             err.decode("utf-8", "replace"))
+
+    # files --------------------------------------------------------------------------------
+    def _sftp(self) -> paramiko.SFTPClient:
+        """An SFTP session kept with the pooled connection (reads skip the login shell)."""
+        client = self.client()
+        sftp = getattr(client, "_gpuctl_sftp", None)
+        if sftp is None or sftp.sock.closed:
+            sftp = client.open_sftp()
+            client._gpuctl_sftp = sftp
+        sftp.get_channel().settimeout(self.io_timeout)
+        return sftp
+
+    def _over_sftp(self, path: str, action: Callable[[paramiko.SFTPClient], object], missing: object) -> object:
+        """Run a file action over the kept SFTP session; `missing` when the file is not there
+        (or unreadable); RemoteError when the connection is gone."""
+        try:
+            return action(self._sftp())
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            with _POOL_LOCK:
+                client = _POOL.get(self._key)
+            transport = client.get_transport() if client else None
+            alive = transport is not None and transport.is_active() and not isinstance(exc, TimeoutError)
+            if isinstance(exc, OSError) and alive:
+                return missing  # missing, a folder, no permission: like `[ -f ] && cat` failing
+            self.drop_connection()
+            raise RemoteError(f"{self.label}: connection lost reading {path} ({exc or type(exc).__name__})",
+                              "check the node; gpuctl reconnects on the next command") from None
+
+    def read_text(self, path: str) -> str | None:
+        """A file's text, or None when it is missing or unreadable (over SFTP: no shell start)."""
+        def read(sftp: paramiko.SFTPClient) -> str:
+            with sftp.open(path, "rb") as fh:
+                return fh.read().decode("utf-8", "replace")
+
+        return self._over_sftp(path, read, None)
+
+    def read_new(self, path: str, offset: int) -> tuple[str, int]:
+        """New bytes of a growing file from `offset`, cut before a partly written UTF-8 character."""
+        def read(sftp: paramiko.SFTPClient) -> tuple[str, int]:
+            with sftp.open(path, "rb") as fh:
+                size = fh.stat().st_size
+                if size <= offset:
+                    return "", offset
+                fh.seek(offset)
+                if size - offset > 256 * 1024:
+                    fh.prefetch(size)  # a long log on first attach: pipelined reads
+                data = fh.read(size - offset)
+            end = _complete_utf8(data)
+            return data[:end].decode("utf-8", "replace"), offset + end
+
+        return self._over_sftp(path, read, ("", offset))
+
+    def last_line(self, path: str) -> str:
+        def read(sftp: paramiko.SFTPClient) -> str:
+            with sftp.open(path, "rb") as fh:
+                size = fh.stat().st_size
+                fh.seek(max(0, size - 65536))
+                lines = fh.read().rstrip(b"\n").rsplit(b"\n", 1)
+            return lines[-1].decode("utf-8", "replace") if size else ""
+
+        return self._over_sftp(path, read, "")
+
+    def group_alive(self, pgid: int) -> bool:
+        """The group's leader (launch.sh) alive means the group is: one SFTP stat, no shell.
+        Only when the leader is gone does it ask the shell whether members are left."""
+        def leader(sftp: paramiko.SFTPClient) -> bool:
+            sftp.stat(f"/proc/{int(pgid)}")
+            return True
+
+        return bool(self._over_sftp(f"/proc/{pgid}", leader, False)) or super().group_alive(pgid)
+
+    def put_dir(self, local: Path, remote: str) -> None:
+        """Copy a local folder to `remote` over SFTP (created 0700), minus ignored files."""
+        local = Path(local)
+        try:
+            sftp = self._sftp()  # the kept session: the node starts its sftp-server once per process
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            self.drop_connection()
+            raise RemoteError(f"{self.label}: SFTP failed to start ({exc})",
+                              "check that the node's sshd has the sftp subsystem") from None
+        try:
+            _sftp_makedirs(sftp, remote)
+            for rel, path, kind in walk_shipped(local):
+                target = posixpath.join(remote, rel)
+                if kind == "dir":
+                    _sftp_mkdir(sftp, target, 0o700)
+                elif kind == "link":
+                    _sftp_remove(sftp, target)
+                    sftp.symlink(os.readlink(path), target)
+                else:
+                    _sftp_put(sftp, path, target)
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            transport = sftp.get_channel().get_transport()
+            if transport is None or not transport.is_active() or isinstance(exc, TimeoutError):
+                self.drop_connection()
+            raise RemoteError(f"{self.label}: copying {local} to {remote} failed: {exc}") from None
+
+
+def _complete_utf8(data: bytes) -> int:
+    """Length of the longest prefix of data that does not end inside a UTF-8 character."""
+    i = len(data) - 1
+    while i >= 0 and len(data) - i < 4 and data[i] & 0xC0 == 0x80:
+        i -= 1
+    if i < 0 or data[i] < 0xC0:
+        return len(data)
+    need = 2 if data[i] < 0xE0 else 3 if data[i] < 0xF0 else 4
+    return len(data) if len(data) - i >= need else i
+
+
+def _sftp_put(sftp: paramiko.SFTPClient, path: Path, target: str) -> None:
+    """One file in ~2 round trips (open, close; writes pipelined, their errors raised at close).
+    The mode is set only when it is not the usual 0644 (a run dir is 0700 anyway)."""
+    mode = stat.S_IMODE(path.stat().st_mode)
+    with open(path, "rb") as src, sftp.open(target, "wb") as dst:
+        dst.set_pipelined(True)
+        while chunk := src.read(1 << 20):
+            dst.write(chunk)
+        if mode != 0o644:
+            dst.chmod(mode)
+
+
+def _sftp_mkdir(sftp: paramiko.SFTPClient, path: str, mode: int) -> None:
+    try:
+        sftp.mkdir(path, mode)
+    except OSError:
+        if not stat.S_ISDIR(sftp.stat(path).st_mode):
+            raise
+
+
+def _sftp_makedirs(sftp: paramiko.SFTPClient, path: str) -> None:
+    parts = [p for p in path.split("/") if p]
+    current = "/" if path.startswith("/") else ""
+    for part in parts:
+        current = posixpath.join(current, part) if current else part
+        try:
+            sftp.stat(current)
+        except FileNotFoundError:
+            _sftp_mkdir(sftp, current, 0o700)
+
+
+def _sftp_remove(sftp: paramiko.SFTPClient, path: str) -> None:
+    try:
+        sftp.remove(path)
+    except FileNotFoundError:
+        pass
+

@@ -1,0 +1,228 @@
+"""Storage backends for trainer.objstore: errors, shared helpers, hashing, and the local
+directory (file://) backend; the S3 backend is in trainer.objstore.s3.
+
+Both offer the same small set of operations on keys *relative to the store root*
+(``step10/mp_rank_00_model_states.pt``, ``latest``); trainer.objstore builds the
+checkpoint semantics (node markers, manifests, ``latest``) on top of them.
+
+boto3 is imported only inside S3Backend, so importing this module stays cheap.
+Error messages name the bucket/endpoint and the fix, never credentials.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+ProgressFn = Callable[[int, int], None]
+
+
+# --------------------------------------------------------------------------- errors
+class StorageError(Exception):
+    """A storage operation failed. ``transient`` says whether retrying may help."""
+
+    transient = False
+
+
+class StorageUnavailable(StorageError):
+    """The store could not be reached or answered 5xx/throttling: retry later."""
+
+    transient = True
+
+
+class StorageAuthError(StorageError):
+    """Credentials missing, wrong, or not allowed: retrying will not help."""
+
+
+class StorageNotFound(StorageError):
+    """The bucket (or a required object) does not exist."""
+
+
+class UploadError(StorageError):
+    """A background upload failed for good (raised by BackgroundUploader.wait)."""
+
+
+class VerificationError(StorageError):
+    """A downloaded file does not match the size/sha256 recorded in the manifest."""
+
+
+# --------------------------------------------------------------------------- helpers
+@dataclass(frozen=True)
+class ObjectStat:
+    size: int
+    mtime: float  # epoch seconds
+
+
+@dataclass(frozen=True)
+class UploadItem:
+    local: Path
+    key: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class DownloadItem:
+    key: str
+    dest: Path  # a temporary path; the caller verifies and moves it into place
+    size: int
+
+
+class Progress:
+    """Thread-safe byte counter that calls ``fn(done, total)``, at most every 0.1 s."""
+
+    def __init__(self, fn: ProgressFn | None, total: int, interval: float = 0.1):
+        self._fn, self.total, self._interval = fn, total, interval
+        self.done = 0
+        self._lock = threading.Lock()
+        self._last = 0.0
+        if fn:
+            fn(0, total)
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            # s3transfer reports negative amounts when it rewinds a part to retry it.
+            self.done = min(self.total, max(0, self.done + n))
+            now = time.monotonic()
+            if self._fn is None or (now - self._last < self._interval and self.done < self.total):
+                return
+            self._last = now
+            done, total = self.done, self.total
+        self._fn(done, total)
+
+    def finish(self) -> None:
+        with self._lock:
+            self.done = self.total
+        if self._fn:
+            self._fn(self.total, self.total)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temp file in the same directory and os.replace."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# --------------------------------------------------------------------------- hashing
+_hash_cache: dict[tuple[str, int, int], str] = {}
+_hash_lock = threading.Lock()
+
+
+def sha256_file(path: Path) -> str:
+    """sha256 of a file, cached on (absolute path, size, mtime_ns)."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    with _hash_lock:
+        hit = _hash_cache.get(key)
+    if hit is not None:
+        return hit
+    h = hashlib.sha256()
+    buf = bytearray(1 << 20)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])  # hashlib releases the GIL on large buffers
+    digest = h.hexdigest()
+    with _hash_lock:
+        _hash_cache[key] = digest
+    return digest
+
+
+def _hash_many(paths: list[Path]) -> list[str]:
+    if len(paths) <= 1:
+        return [sha256_file(p) for p in paths]
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        return list(pool.map(sha256_file, paths))
+
+
+# --------------------------------------------------------------------------- file://
+class FileBackend:
+    """A directory on a local (or network-mounted) filesystem. Writes are temp + os.replace."""
+
+    _COPY_CHUNK = 8 << 20
+
+    def __init__(self, root: Path):
+        if not root.is_absolute():
+            raise ValueError(f"file:// storage needs an absolute path, got {root}")
+        self.root = root
+        self.url = f"file://{root}"
+
+    def _path(self, key: str) -> Path:
+        return self.root / key
+
+    def list(self, prefix: str = "") -> dict[str, ObjectStat]:
+        base = self._path(prefix) if prefix else self.root
+        if not base.is_dir():
+            return {}
+        out: dict[str, ObjectStat] = {}
+        for dirpath, _dirs, files in os.walk(base):
+            for name in files:
+                if name.startswith(".tmp-"):
+                    continue
+                p = Path(dirpath, name)
+                try:
+                    st = p.stat()
+                except FileNotFoundError:  # deleted while listing
+                    continue
+                out[p.relative_to(self.root).as_posix()] = ObjectStat(st.st_size, st.st_mtime)
+        return out
+
+    def read_bytes(self, key: str) -> bytes | None:
+        try:
+            return self._path(key).read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        atomic_write_bytes(self._path(key), data)
+
+    def head_sha256(self, key: str) -> str | None:
+        return None  # no object metadata on a plain directory: such files are copied again
+
+    def delete(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            self._path(key).unlink(missing_ok=True)
+
+    def delete_prefix(self, prefix: str) -> None:
+        shutil.rmtree(self._path(prefix), ignore_errors=True)
+
+    def _copy(self, src: Path, dst: Path, progress: Progress) -> None:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=dst.parent)
+        try:
+            with open(src, "rb") as fin, os.fdopen(fd, "wb") as fout:
+                while chunk := fin.read(self._COPY_CHUNK):
+                    fout.write(chunk)
+                    progress.add(len(chunk))
+            os.replace(tmp, dst)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def upload_files(self, items: list[UploadItem], progress: Progress) -> None:
+        for it in items:
+            self._copy(it.local, self._path(it.key), progress)
+
+    def download_files(self, items: list[DownloadItem], progress: Progress) -> None:
+        for it in items:
+            src = self._path(it.key)
+            if not src.is_file():
+                raise StorageNotFound(f"{self.url}/{it.key} is missing")
+            self._copy(src, it.dest, progress)

@@ -1,0 +1,258 @@
+"""The S3 backend of trainer.objstore: boto3's transfer manager (threads, multipart),
+botocore's standard retry mode, and errors that name the bucket/endpoint and the fix but
+never credentials. boto3 is imported inside the class only (the laptop CLI starts fast).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Iterable
+
+from trainer.objstore.backends import DownloadItem, ObjectStat, Progress, StorageAuthError, StorageError, StorageNotFound, StorageUnavailable, UploadItem
+
+_AUTH_CODES = {
+    "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
+    "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled", "AccountProblem",
+    "Forbidden", "403", "401", "Unauthorized", "UnauthorizedAccess",
+}
+_THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
+                   "ServiceUnavailable", "InternalError"}
+
+
+@dataclass(frozen=True)
+class S3Options:
+    """Tuning for S3Backend; every field can be set in the ``storage`` config dict."""
+
+    multipart_threshold: int = 64 << 20  # files above this go multipart
+    multipart_chunksize: int = 32 << 20  # part size
+    max_concurrency: int = 16  # parallel requests per transfer batch (parts and files)
+    max_attempts: int = 4  # botocore attempts per request (standard retry mode)
+    connect_timeout: float = 5.0
+    read_timeout: float = 60.0
+
+
+class S3Backend:
+    """An S3 bucket/prefix through boto3's transfer manager (threads, multipart, retries)."""
+
+    def __init__(self, bucket: str, prefix: str, endpoint_url: str | None = None,
+                 region: str | None = None, profile: str | None = None,
+                 options: S3Options = S3Options()):
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        self.endpoint_url, self.region, self.profile = endpoint_url, region, profile
+        self.options = options
+        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self._client = None
+        self._tconfig = None
+        self._client_lock = threading.Lock()
+
+    # -- client (lazy: boto3 costs ~0.3 s to import) ---------------------------------
+    @property
+    def client(self):
+        with self._client_lock:
+            if self._client is None:
+                self._client, self._tconfig = self._make_client()
+            return self._client
+
+    def _make_client(self):
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+        from botocore import exceptions as bx
+        from botocore.config import Config
+
+        o = self.options
+        try:
+            session = boto3.session.Session(profile_name=self.profile)
+        except bx.ProfileNotFound:
+            raise StorageAuthError(
+                f"AWS profile {self.profile!r} not found for {self.url}: "
+                "check storage.profile / AWS_PROFILE and ~/.aws/config") from None
+        cfg = Config(
+            region_name=self.region or session.region_name or "us-east-1",
+            retries={"mode": "standard", "total_max_attempts": o.max_attempts},
+            connect_timeout=o.connect_timeout,
+            read_timeout=o.read_timeout,
+            max_pool_connections=o.max_concurrency + 4,
+            # S3-compatible stores (R2, MinIO, older gateways) may reject the CRC32
+            # trailers boto3 adds by default; we carry our own sha256 instead.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+            s3={"addressing_style": "path"} if self.endpoint_url else {},
+        )
+        client = session.client("s3", endpoint_url=self.endpoint_url, config=cfg)
+        tconfig = TransferConfig(
+            multipart_threshold=o.multipart_threshold,
+            multipart_chunksize=o.multipart_chunksize,
+            max_concurrency=o.max_concurrency,
+            io_chunksize=1 << 20,
+            use_threads=True,
+            preferred_transfer_client="classic",
+        )
+        return client, tconfig
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _error(self, exc: BaseException, what: str) -> StorageError:
+        """Map a botocore/s3transfer exception to a StorageError with a fix, no secrets."""
+        from botocore import exceptions as bx
+        from s3transfer.exceptions import RetriesExceededError
+
+        where = f"{self.url}" + (f" (endpoint {self.endpoint_url})" if self.endpoint_url else "")
+        if isinstance(exc, RetriesExceededError) and exc.last_exception is not None:
+            exc = exc.last_exception
+        if isinstance(exc, bx.ClientError):
+            err = exc.response.get("Error", {})
+            code = str(err.get("Code", ""))
+            status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+            if code in _AUTH_CODES or status in (401, 403):
+                return StorageAuthError(
+                    f"S3 access denied for {where} while {what} ({code or status}): "
+                    "check AWS_PROFILE / AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
+                    "and that the key may read and write this bucket")
+            if code == "NoSuchBucket":
+                return StorageNotFound(
+                    f"S3 bucket {self.bucket!r} does not exist at {where}: "
+                    "create it or fix storage.url / storage.endpoint_url")
+            if code in ("NoSuchKey", "404", "NotFound"):
+                return StorageNotFound(f"{where}: object missing while {what}")
+            if status >= 500 or code in _THROTTLE_CODES:
+                return StorageUnavailable(f"S3 at {where} is unavailable while {what} "
+                                          f"({code or status})")
+            return StorageError(f"S3 error {code or status} for {where} while {what}")
+        if isinstance(exc, (bx.NoCredentialsError, bx.PartialCredentialsError)):
+            return StorageAuthError(
+                f"no usable AWS credentials for {where}: set AWS_PROFILE or "
+                "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
+        if isinstance(exc, (bx.ConnectionError, bx.HTTPClientError, bx.IncompleteReadError,
+                            ConnectionError, TimeoutError)):
+            return StorageUnavailable(
+                f"cannot reach S3 endpoint {self.endpoint_url or 'AWS'} for {self.url} "
+                f"while {what} ({type(exc).__name__}): check storage.endpoint_url and that "
+                "the server is up")
+        return StorageError(f"S3 client error for {where} while {what} ({type(exc).__name__})")
+
+    def _call(self, what: str, fn, *args, **kwargs):
+        from botocore import exceptions as bx
+
+        try:
+            return fn(*args, **kwargs)
+        except (bx.ClientError, bx.BotoCoreError) as exc:
+            raise self._error(exc, what) from exc
+
+    # -- small-object operations ------------------------------------------------------
+    def list(self, prefix: str = "") -> dict[str, ObjectStat]:
+        full = self._key(prefix) if prefix else (f"{self.prefix}/" if self.prefix else "")
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        out: dict[str, ObjectStat] = {}
+        pages = self._call(f"listing {full or '/'}", self.client.get_paginator("list_objects_v2")
+                           .paginate, Bucket=self.bucket, Prefix=full)
+        from botocore import exceptions as bx
+        try:
+            for page in pages:
+                for obj in page.get("Contents", ()):
+                    out[obj["Key"][strip:]] = ObjectStat(int(obj["Size"]),
+                                                         obj["LastModified"].timestamp())
+        except (bx.ClientError, bx.BotoCoreError) as exc:
+            raise self._error(exc, f"listing {full or '/'}") from exc
+        return out
+
+    def read_bytes(self, key: str) -> bytes | None:
+        from botocore import exceptions as bx
+
+        try:
+            resp = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+            return resp["Body"].read()
+        except bx.ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
+                return None
+            raise self._error(exc, f"reading {key}") from exc
+        except bx.BotoCoreError as exc:
+            raise self._error(exc, f"reading {key}") from exc
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        self._call(f"writing {key}", self.client.put_object, Bucket=self.bucket,
+                   Key=self._key(key), Body=data)
+
+    def head_sha256(self, key: str) -> str | None:
+        from botocore import exceptions as bx
+
+        try:
+            resp = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+        except bx.ClientError as exc:
+            if exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
+                return None
+            raise self._error(exc, f"checking {key}") from exc
+        except bx.BotoCoreError as exc:
+            raise self._error(exc, f"checking {key}") from exc
+        return resp.get("Metadata", {}).get("sha256")
+
+    def delete(self, keys: Iterable[str]) -> None:
+        keys = list(keys)
+        for i in range(0, len(keys), 1000):
+            batch = [{"Key": self._key(k)} for k in keys[i:i + 1000]]
+            resp = self._call("deleting objects", self.client.delete_objects,
+                              Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+            if resp.get("Errors"):
+                first = resp["Errors"][0]
+                raise StorageError(f"could not delete {len(resp['Errors'])} objects under "
+                                   f"{self.url} (first: {first.get('Key')}: {first.get('Code')})")
+
+    def delete_prefix(self, prefix: str) -> None:
+        self.delete(self.list(prefix.rstrip("/") + "/"))  # keys come back relative to the root
+
+    # -- bulk transfers ---------------------------------------------------------------
+    def _run_transfers(self, submit, what: str) -> None:
+        from boto3.s3.transfer import create_transfer_manager
+        from botocore import exceptions as bx
+        from s3transfer.exceptions import RetriesExceededError
+
+        client = self.client
+        with create_transfer_manager(client, self._tconfig) as tm:
+            futures = submit(tm)
+            first_exc: BaseException | None = None
+            for fut in futures:
+                try:
+                    fut.result()
+                except (bx.ClientError, bx.BotoCoreError, RetriesExceededError) as exc:
+                    if first_exc is None:
+                        first_exc = exc
+                        # Not tm.shutdown(cancel=True, ...): s3transfer 0.19 passes its
+                        # arguments to _shutdown in the wrong order. Cancel each future.
+                        for other in futures:
+                            other.cancel()
+                except Exception as exc:  # noqa: BLE001 - cancellation surfaces as s3transfer's own types
+                    if first_exc is None:
+                        raise
+                    del exc
+        if first_exc is not None:
+            raise self._error(first_exc, what) from first_exc
+
+    def upload_files(self, items: list[UploadItem], progress: Progress) -> None:
+        if not items:
+            return
+        from boto3.s3.transfer import ProgressCallbackInvoker
+
+        sub = [ProgressCallbackInvoker(progress.add)]
+
+        def submit(tm):
+            return [tm.upload(str(it.local), self.bucket, self._key(it.key),
+                              extra_args={"Metadata": {"sha256": it.sha256}}, subscribers=sub)
+                    for it in items]
+
+        self._run_transfers(submit, f"uploading {len(items)} files")
+
+    def download_files(self, items: list[DownloadItem], progress: Progress) -> None:
+        if not items:
+            return
+        from boto3.s3.transfer import ProgressCallbackInvoker
+
+        sub = [ProgressCallbackInvoker(progress.add)]
+
+        def submit(tm):
+            for it in items:
+                it.dest.parent.mkdir(parents=True, exist_ok=True)
+            return [tm.download(self.bucket, self._key(it.key), str(it.dest), subscribers=sub)
+                    for it in items]
+
+        self._run_transfers(submit, f"downloading {len(items)} files")

@@ -1,0 +1,422 @@
+"""Checkpoint storage in S3-compatible object storage or a local directory.
+
+Used on the node (the trainer's background upload, resume) and on the laptop
+(``gpuctl ckpt ls/pull``), so it never imports torch, and boto3 only when an s3://
+store is first used.
+
+Layout under the store root (``s3://bucket/prefix`` or ``file:///abs/dir``)::
+
+    <root>/<tag>/<relative files>            DeepSpeed's save dir for that tag, e.g.
+                                             step20/mp_rank_00_model_states.pt
+    <root>/<tag>/_nodes/<node_rank>.json     written by each node after ALL of its files
+                                             of <tag> are uploaded:
+                                             {"format", "tag", "node_rank", "step", "time",
+                                              "files": {relpath: {"size", "sha256"}}}
+    <root>/<tag>/manifest.json               written by node 0 once every node's marker
+                                             is in: {"format", "tag", "step", "world_size",
+                                             "num_nodes", "time",
+                                             "files": {relpath: {"size", "sha256", "node"}}}
+    <root>/latest                            the newest complete tag, written LAST
+
+A checkpoint is complete iff its manifest.json exists; ``latest`` only ever names a
+complete checkpoint (it is written after the manifest, and a complete checkpoint is
+first un-published, manifest deleted, before it is changed). Every S3 object also
+carries its sha256 in user metadata (``x-amz-meta-sha256``).
+
+Upload is incremental: a local file whose (size, sha256) matches this node's marker
+and whose object is listed with that size is skipped, so a no-op sync costs one GET
+(marker) and one LIST. Local hashes are cached on (path, size, mtime_ns). Pruning
+(``keep`` K) removes older checkpoints only after a newer one is complete, manifest
+first. Download verifies every file's size and sha256; on a missing or corrupt file
+it logs a line and falls back to the previous complete checkpoint. It writes
+``dest/<tag>/...`` and ``dest/latest`` (DeepSpeed's load_checkpoint layout).
+
+Progress callbacks are ``progress(bytes_done, bytes_total)``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+from urllib.parse import unquote, urlparse
+
+from trainer.objstore.backends import DownloadItem, FileBackend, ObjectStat, Progress, ProgressFn, StorageError, StorageNotFound, UploadItem, VerificationError, _hash_many, atomic_write_bytes, sha256_file
+from trainer.objstore.s3 import S3Backend, S3Options
+
+_log = logging.getLogger("gpuctl.objstore")
+
+FORMAT = 1
+LATEST = "latest"
+MANIFEST = "manifest.json"
+NODES_DIR = "_nodes"
+_TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_STEP_RE = re.compile(r"(\d+)$")
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str  # relative to the tag dir, "/" separated
+    size: int
+    sha256: str  # "" where not known (incomplete checkpoints listed without markers)
+
+
+@dataclass
+class CheckpointInfo:
+    tag: str
+    step: int  # -1 if unknown (an incomplete checkpoint whose tag has no trailing number)
+    world_size: int  # 0 if unknown (incomplete)
+    num_nodes: int  # complete: from the manifest; incomplete: nodes whose marker is in
+    complete: bool
+    size: int  # bytes: manifest total, or what is stored so far
+    time: float  # epoch: manifest time, or the newest object's mtime
+    files: list[FileEntry] = field(default_factory=list)
+
+
+def _check_tag(tag: str) -> str:
+    if not _TAG_RE.match(tag) or tag in (LATEST, NODES_DIR):
+        raise ValueError(f"invalid checkpoint tag {tag!r}: use letters, digits, '.', '_', '-'")
+    return tag
+
+
+def _safe_relpath(rel: str) -> str:
+    """Reject manifest paths that would escape the destination directory."""
+    parts = rel.split("/")
+    if not rel or rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise VerificationError(f"unsafe path {rel!r} in manifest")
+    return rel
+
+
+def _step_from_tag(tag: str) -> int:
+    m = _STEP_RE.search(tag)
+    return int(m.group(1)) if m else -1
+
+
+def _local_files(tag_dir: Path) -> dict[str, Path]:
+    if not tag_dir.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {tag_dir} does not exist")
+    out = {}
+    for p in sorted(tag_dir.rglob("*")):
+        if p.is_file():
+            rel = p.relative_to(tag_dir).as_posix()
+            if rel == MANIFEST or rel.startswith(NODES_DIR + "/"):
+                raise ValueError(f"{p}: {rel!r} is reserved for checkpoint metadata")
+            out[rel] = p
+    return out
+
+
+# --------------------------------------------------------------------------- store
+class CheckpointStore:
+    """Checkpoints in one store root; see the module docstring for the layout."""
+
+    def __init__(self, backend: FileBackend | S3Backend, keep: int | None = None,
+                 log: Callable[[str], None] | None = None, retry_deadline: float = 3600.0):
+        self.backend = backend
+        self.keep = keep if keep and keep > 0 else None
+        self.retry_deadline = retry_deadline  # BackgroundUploader's default
+        self.log = log if log is not None else _log.warning
+        self.url = backend.url
+
+    @classmethod
+    def from_config(cls, storage: dict, log: Callable[[str], None] | None = None
+                    ) -> "CheckpointStore":
+        """storage = {"url": "file:///abs" | "s3://bucket/prefix", "endpoint_url", "region",
+        "profile", "keep": K}; optional "retry_deadline" (s, how long BackgroundUploader
+        retries one checkpoint, default 3600) and S3 tuning keys named as S3Options' fields:
+        multipart_threshold, multipart_chunksize (bytes), max_concurrency, max_attempts
+        (per request, botocore standard retry mode), connect_timeout, read_timeout (s).
+        Credentials come from boto3's chain (env, profile, instance role), never from here."""
+        url = storage.get("url") or ""
+        parsed = urlparse(url)
+        keep = storage.get("keep")
+        deadline = float(storage.get("retry_deadline") or 3600.0)
+        if parsed.scheme == "file" or (not parsed.scheme and url.startswith("/")):
+            if parsed.netloc not in ("", "localhost"):
+                raise ValueError(f"file:// storage url must be file:///abs/path, got {url!r}")
+            return cls(FileBackend(Path(unquote(parsed.path))), keep=keep, log=log,
+                       retry_deadline=deadline)
+        if parsed.scheme == "s3":
+            if not parsed.netloc:
+                raise ValueError(f"s3 storage url needs a bucket: s3://bucket/prefix, got {url!r}")
+            tuning = {k: storage[k] for k in S3Options.__dataclass_fields__ if storage.get(k)}
+            backend = S3Backend(parsed.netloc, parsed.path, storage.get("endpoint_url"),
+                                storage.get("region"), storage.get("profile"),
+                                S3Options(**tuning))
+            return cls(backend, keep=keep, log=log, retry_deadline=deadline)
+        raise ValueError(f"unsupported storage url {url!r}: use file:///abs/path or s3://bucket/prefix")
+
+    # -- reading -----------------------------------------------------------------------
+    def _read_json(self, key: str) -> dict | None:
+        data = self.backend.read_bytes(key)
+        if data is None:
+            return None
+        try:
+            return json.loads(data)
+        except ValueError:
+            self.log(f"ignoring unreadable {self.url}/{key}")
+            return None
+
+    @staticmethod
+    def _info_from_manifest(m: dict) -> CheckpointInfo:
+        files = [FileEntry(p, int(f["size"]), f["sha256"]) for p, f in sorted(m["files"].items())]
+        return CheckpointInfo(tag=m["tag"], step=int(m["step"]), world_size=int(m["world_size"]),
+                              num_nodes=int(m["num_nodes"]), complete=True,
+                              size=sum(f.size for f in files), time=float(m["time"]), files=files)
+
+    def _incomplete_info(self, tag: str, objs: dict[str, ObjectStat]) -> CheckpointInfo:
+        step, files, nodes = -1, {}, 0
+        for key in sorted(k for k in objs if k.startswith(f"{tag}/{NODES_DIR}/")):
+            marker = self._read_json(key)
+            if marker:
+                nodes += 1
+                step = max(step, int(marker.get("step", -1)))
+                files.update(marker.get("files", {}))
+        prefix = f"{tag}/"
+        data = {k[len(prefix):]: s for k, s in objs.items()
+                if k.startswith(prefix) and not k.startswith(f"{tag}/{NODES_DIR}/")}
+        entries = [FileEntry(p, s.size, files.get(p, {}).get("sha256", "")) for p, s in sorted(data.items())]
+        return CheckpointInfo(tag=tag, step=step if step >= 0 else _step_from_tag(tag), world_size=0,
+                              num_nodes=nodes, complete=False, size=sum(e.size for e in entries),
+                              time=max((s.mtime for s in objs.values()), default=0.0), files=entries)
+
+    def list(self) -> list[CheckpointInfo]:
+        """All checkpoints, complete and incomplete, newest (highest step, then time) first."""
+        objs = self.backend.list()
+        by_tag: dict[str, dict[str, ObjectStat]] = {}
+        for key, st in objs.items():
+            tag, sep, _rest = key.partition("/")
+            if sep:
+                by_tag.setdefault(tag, {})[key] = st
+        infos = []
+        for tag, tobjs in by_tag.items():
+            manifest = self._read_json(f"{tag}/{MANIFEST}") if f"{tag}/{MANIFEST}" in tobjs else None
+            infos.append(self._info_from_manifest(manifest) if manifest
+                         else self._incomplete_info(tag, tobjs))
+        infos.sort(key=lambda i: (i.step, i.time), reverse=True)
+        return infos
+
+    def info(self, tag: str) -> CheckpointInfo | None:
+        """The complete checkpoint ``tag`` (from its manifest), or None."""
+        manifest = self._read_json(f"{_check_tag(tag)}/{MANIFEST}")
+        return self._info_from_manifest(manifest) if manifest else None
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest complete checkpoint: the one `latest` names, else the newest manifest."""
+        raw = self.backend.read_bytes(LATEST)
+        tag = raw.decode("utf-8", "replace").strip() if raw else ""
+        if tag and _TAG_RE.match(tag):
+            info = self.info(tag)
+            if info:
+                return info
+        return next((i for i in self.list() if i.complete), None)
+
+    # -- uploading ---------------------------------------------------------------------
+    def upload_shards(self, local_tag_dir: Path, tag: str, node_rank: int,
+                      progress: ProgressFn | None = None, *, step: int | None = None) -> None:
+        """Upload this node's files of ``tag`` (skipping unchanged ones), then its marker."""
+        _check_tag(tag)
+        t0 = time.monotonic()
+        local = _local_files(Path(local_tag_dir))
+        hashes = dict(zip(local, _hash_many(list(local.values())), strict=True))
+        sizes = {rel: p.stat().st_size for rel, p in local.items()}
+        marker_key = f"{tag}/{NODES_DIR}/{node_rank}.json"
+        marker = self._read_json(marker_key) or {}
+        recorded = marker.get("files", {})
+        remote = self.backend.list(f"{tag}/")
+
+        todo: list[UploadItem] = []
+        for rel, path in local.items():
+            size, sha, key = sizes[rel], hashes[rel], f"{tag}/{rel}"
+            stat = remote.get(key)
+            if stat is not None and stat.size == size:
+                rec = recorded.get(rel)
+                if rec and rec.get("size") == size and rec.get("sha256") == sha:
+                    continue
+                if rec is None and self.backend.head_sha256(key) == sha:
+                    continue  # uploaded by an attempt that died before writing the marker
+            todo.append(UploadItem(path, key, size, sha))
+
+        new_files = {rel: {"size": sizes[rel], "sha256": hashes[rel]} for rel in local}
+        if not todo and marker and recorded == new_files:
+            return  # no-op sync
+        if f"{tag}/{MANIFEST}" in remote:
+            self._unpublish(tag)
+        if marker:
+            self.backend.delete([marker_key])  # publish must not count us in while we change
+        prog = Progress(progress, sum(i.size for i in todo))
+        self.backend.upload_files(todo, prog)
+        prog.finish()
+        self.backend.write_bytes(marker_key, _dumps({
+            "format": FORMAT, "tag": tag, "node_rank": node_rank,
+            "step": step if step is not None else _step_from_tag(tag),
+            "time": time.time(), "files": new_files}))
+        dt = time.monotonic() - t0
+        _log.info("uploaded %s node %d: %d files, %.1f MB in %.2f s (%d unchanged)", tag,
+                  node_rank, len(todo), prog.total / 1e6, dt, len(local) - len(todo))
+
+    def _unpublish(self, tag: str) -> None:
+        """Make a complete checkpoint incomplete (it is about to change), keeping `latest` valid."""
+        self.log(f"checkpoint {tag} in {self.url} is being re-uploaded: un-publishing it first")
+        raw = self.backend.read_bytes(LATEST)
+        if raw is not None and raw.decode("utf-8", "replace").strip() == tag:
+            others = [i for i in self.list() if i.complete and i.tag != tag]
+            if others:
+                self.backend.write_bytes(LATEST, others[0].tag.encode())
+            else:
+                self.backend.delete([LATEST])
+        self.backend.delete([f"{tag}/{MANIFEST}"])
+
+    def publish(self, tag: str, step: int, world_size: int, num_nodes: int,
+                timeout: float) -> bool:
+        """Node 0: wait (up to ``timeout`` s) for every node's marker of ``tag``, write the
+        manifest, then `latest`, then prune beyond ``keep``. False if nodes are missing."""
+        _check_tag(tag)
+        deadline = time.monotonic() + max(0.0, timeout)
+        wanted = {f"{tag}/{NODES_DIR}/{r}.json" for r in range(num_nodes)}
+        delay = 0.2
+        present = wanted & set(self.backend.list(f"{tag}/{NODES_DIR}/"))
+        while present != wanted and time.monotonic() + delay <= deadline:
+            time.sleep(delay)
+            delay = min(delay * 1.5, 5.0)
+            present = wanted & set(self.backend.list(f"{tag}/{NODES_DIR}/"))
+        if present != wanted:
+            missing = sorted(int(k.rsplit("/", 1)[1][:-5]) for k in wanted - present)
+            self.log(f"not publishing {tag}: node(s) {missing} did not finish uploading "
+                     f"within {timeout:.1f} s")
+            return False
+
+        files: dict[str, dict] = {}
+        for rank in range(num_nodes):
+            marker = self._read_json(f"{tag}/{NODES_DIR}/{rank}.json")
+            if marker is None:
+                self.log(f"not publishing {tag}: node {rank}'s marker vanished (re-upload in progress)")
+                return False
+            for rel, f in marker["files"].items():
+                prev = files.get(rel)
+                if prev and prev["sha256"] != f["sha256"]:
+                    raise StorageError(f"checkpoint {tag}: nodes {prev['node']} and {rank} uploaded "
+                                       f"different contents for {rel}")
+                files.setdefault(rel, {"size": f["size"], "sha256": f["sha256"], "node": rank})
+        remote = self.backend.list(f"{tag}/")
+        bad = sorted(rel for rel, f in files.items()
+                     if (st := remote.get(f"{tag}/{rel}")) is None or st.size != f["size"])
+        if bad:
+            raise StorageError(f"checkpoint {tag}: node markers list files that are missing or "
+                               f"of the wrong size in {self.url}: {bad[:5]}")
+        self.backend.write_bytes(f"{tag}/{MANIFEST}", _dumps({
+            "format": FORMAT, "tag": tag, "step": step, "world_size": world_size,
+            "num_nodes": num_nodes, "time": time.time(), "files": files}))
+
+        complete = [i for i in self.list() if i.complete]
+        if not any(i.step > step for i in complete):
+            self.backend.write_bytes(LATEST, tag.encode())
+        self._prune(complete)
+        return True
+
+    def _prune(self, infos: list[CheckpointInfo] | None = None) -> None:
+        """Keep the newest ``keep`` complete checkpoints; drop older complete ones and
+        incomplete ones older than the oldest kept. Manifest first, so a half-deleted
+        checkpoint is never taken for complete."""
+        if not self.keep:
+            return
+        infos = infos if infos is not None else self.list()
+        complete = [i for i in infos if i.complete]
+        if len(complete) <= self.keep:
+            return
+        kept = complete[: self.keep]
+        oldest_kept = kept[-1].step
+        raw = self.backend.read_bytes(LATEST)
+        latest_tag = raw.decode("utf-8", "replace").strip() if raw else ""
+        for info in self.list():
+            if info.tag in {k.tag for k in kept} or info.tag == latest_tag:
+                continue
+            if info.complete or (0 <= info.step < oldest_kept):
+                self.backend.delete([f"{info.tag}/{MANIFEST}"])
+                self.backend.delete_prefix(info.tag)
+                _log.info("pruned checkpoint %s from %s", info.tag, self.url)
+
+    # -- downloading -------------------------------------------------------------------
+    def download(self, tag: str | None, dest: Path, progress: ProgressFn | None = None
+                 ) -> CheckpointInfo:
+        """Download ``tag`` (None: the latest complete) into ``dest/<tag>`` and write
+        ``dest/latest``. Falls back to older complete checkpoints if it fails verification."""
+        dest = Path(dest)
+        complete = [i for i in self.list() if i.complete]
+        if tag is None:
+            first = self.latest()
+            if first is None:
+                raise StorageNotFound(f"no complete checkpoint in {self.url}")
+        else:
+            first = next((i for i in complete if i.tag == _check_tag(tag)), None)
+            if first is None:
+                older = [i for i in complete if i.step < _step_from_tag(tag)]
+                if not older:
+                    raise StorageNotFound(f"checkpoint {tag} is not complete in {self.url} "
+                                          "and there is no older complete one")
+                self.log(f"checkpoint {tag} is not complete in {self.url}; "
+                         f"falling back to {older[0].tag}")
+                first = older[0]
+        candidates = [first] + [i for i in complete if i.step < first.step]
+        for n, info in enumerate(candidates):
+            try:
+                self._download_one(info, dest, progress)
+            except (VerificationError, StorageNotFound) as exc:
+                nxt = candidates[n + 1].tag if n + 1 < len(candidates) else None
+                if nxt is None:
+                    raise VerificationError(f"checkpoint {info.tag} failed verification ({exc}) "
+                                            f"and no older complete checkpoint is left in {self.url}"
+                                            ) from exc
+                self.log(f"checkpoint {info.tag} failed verification ({exc}); "
+                         f"falling back to previous complete checkpoint {nxt}")
+                continue
+            atomic_write_bytes(dest / LATEST, info.tag.encode())
+            return info
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    def _download_one(self, info: CheckpointInfo, dest: Path, progress: ProgressFn | None) -> None:
+        tag_dir = dest / info.tag
+        created = not tag_dir.exists()
+        remote = self.backend.list(f"{info.tag}/")
+        for f in info.files:
+            _safe_relpath(f.path)
+            st = remote.get(f"{info.tag}/{f.path}")
+            if st is None:
+                raise StorageNotFound(f"shard {f.path} is missing")
+            if st.size != f.size:
+                raise VerificationError(f"shard {f.path} is {st.size} bytes, manifest says {f.size}")
+        todo = []
+        for f in info.files:
+            local = tag_dir / f.path
+            if local.is_file() and local.stat().st_size == f.size and sha256_file(local) == f.sha256:
+                continue  # already here (a resumed pull)
+            todo.append(DownloadItem(f"{info.tag}/{f.path}",
+                                     local.with_name(f".tmp-{local.name}"), f.size))
+        prog = Progress(progress, sum(i.size for i in todo))
+        try:
+            self.backend.download_files(todo, prog)
+            by_key = {f"{info.tag}/{f.path}": f for f in info.files}
+            for item in todo:
+                f = by_key[item.key]
+                size = item.dest.stat().st_size
+                if size != f.size or sha256_file(item.dest) != f.sha256:
+                    raise VerificationError(f"shard {f.path} does not match its sha256")
+                os.replace(item.dest, tag_dir / f.path)
+        except (VerificationError, StorageNotFound):
+            if created:
+                shutil.rmtree(tag_dir, ignore_errors=True)
+            raise
+        finally:
+            for item in todo:
+                item.dest.unlink(missing_ok=True)
+        prog.finish()
+
+
+def _dumps(obj: dict) -> bytes:
+    return json.dumps(obj, indent=1, sort_keys=True).encode()
+
