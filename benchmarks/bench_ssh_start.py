@@ -112,10 +112,20 @@ def main() -> int:
     server = SSHD(tmp / "sshd").start()
     project, state = tmp / "project", tmp / "state"
     project.mkdir()
-    cfg = {"name": "bench", "provider": {"kind": "ssh", "hosts": [server.host()], "identity_file": str(server.client_key),
-                                         "python": sys.executable, "cpu_ranks": args.ranks, "workdir": str(tmp / "node")},
-           "train": {"max_steps": args.steps, "checkpoint_every": 0}, "storage": {"url": str(tmp / "store")},
-           "env": {"TORCH_EXTENSIONS_DIR": EXTENSIONS}}
+    cfg = {
+        "name": "bench",
+        "provider": {
+            "kind": "ssh",
+            "hosts": [server.host()],
+            "identity_file": str(server.client_key),
+            "python": sys.executable,
+            "cpu_ranks": args.ranks,
+            "workdir": str(tmp / "node"),
+        },
+        "train": {"max_steps": args.steps, "checkpoint_every": 0},
+        "storage": {"url": str(tmp / "store")},
+        "env": {"TORCH_EXTENSIONS_DIR": EXTENSIONS},
+    }
     (project / "gpuctl.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "GPUCTL_STATE_DIR": str(state)}
     gpuctl = [sys.executable, "-m", "provision.cli"]
@@ -128,26 +138,39 @@ def main() -> int:
         rows: list[dict] = []
         for round_ in range(args.rounds):
             g = timed_run([*gpuctl, "train"], env, project, node_root, 900)
-            run_dir = json.loads(sorted((state / "runs").glob("*.json"), key=os.path.getmtime)[-1].read_text())["run_dir"]
+            run_dir = json.loads(sorted((state / "runs").glob("*.json"), key=os.path.getmtime)[-1].read_text())[
+                "run_dir"
+            ]
             g["detect"] = g["seen_epoch"] - first_step_epoch(run_dir)
             # the same bundle, already on the node, started by hand
             hand_dir = f"{tmp}/node/by-hand-{round_}"
-            shutil.copytree(run_dir, hand_dir, ignore=shutil.ignore_patterns(
-                "cache", "checkpoints", "*.jsonl", "*.log", "status.json", "summary.json"))
+            shutil.copytree(
+                run_dir,
+                hand_dir,
+                ignore=shutil.ignore_patterns(
+                    "cache", "checkpoints", "*.jsonl", "*.log", "status.json", "summary.json"
+                ),
+            )
             launch = Path(hand_dir, "launch.sh").read_text()
             launcher = next(line for line in launch.splitlines() if "deepspeed.launcher.runner" in line)
             launcher = launcher.split(" &")[0].replace('"$MASTER_PORT"', "29517")
-            exports = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 PYTHONPATH=\"$PWD/lib\" "
-                       f"TORCH_EXTENSIONS_DIR={shlex.quote(EXTENSIONS)}")
-            h = timed_run([*ssh, f"cd {shlex.quote(hand_dir)} && env {exports} {launcher}"], env, project,
-                          node_root, 900)
+            exports = (
+                'DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/lib" '
+                f"TORCH_EXTENSIONS_DIR={shlex.quote(EXTENSIONS)}"
+            )
+            h = timed_run(
+                [*ssh, f"cd {shlex.quote(hand_dir)} && env {exports} {launcher}"], env, project, node_root, 900
+            )
             h["detect"] = h["seen_epoch"] - first_step_epoch(hand_dir)
             for row in (g, h):
                 row["overhead"] = row["pre"] + row["detect"]
             rows.append({"gpuctl": g, "by_hand": h})
-            print(f"round {round_ + 1}: first step seen after gpuctl {g['seen']:.2f} s / by hand {h['seen']:.2f} s; "
-                  f"launcher started after {g['pre']:.2f} / {h['pre']:.2f} s; "
-                  f"step seen {g['detect']:.2f} / {h['detect']:.2f} s after it was written", flush=True)
+            print(
+                f"round {round_ + 1}: first step seen after gpuctl {g['seen']:.2f} s / by hand {h['seen']:.2f} s; "
+                f"launcher started after {g['pre']:.2f} / {h['pre']:.2f} s; "
+                f"step seen {g['detect']:.2f} / {h['detect']:.2f} s after it was written",
+                flush=True,
+            )
 
         def med(who: str, key: str) -> float:
             return statistics.median(r[who][key] for r in rows)
@@ -155,19 +178,36 @@ def main() -> int:
         print(f"\n`gpuctl up` (not timed below): {up_s:.2f} s")
         print(f"median of {args.rounds} rounds, {args.ranks} CPU rank(s), loopback sshd:")
         print(f"{'':34}{'gpuctl train':>14}{'by hand':>10}{'extra':>9}")
-        for label, key in (("start -> DeepSpeed launcher runs", "pre"), ("step written -> seen by the user", "detect"),
-                           ("overhead (the two above)", "overhead"), ("start -> first step seen (end to end)", "seen")):
-            print(f"{label:34}{med('gpuctl', key):13.2f}s{med('by_hand', key):9.2f}s"
-                  f"{med('gpuctl', key) - med('by_hand', key):+8.2f}s")
-        print("(end to end includes DeepSpeed's own start-up, identical work for both; on a loaded machine it\n"
-              " varies by tens of seconds, so the overhead rows are the comparison. Goal: extra <= +2 s)")
+        for label, key in (
+            ("start -> DeepSpeed launcher runs", "pre"),
+            ("step written -> seen by the user", "detect"),
+            ("overhead (the two above)", "overhead"),
+            ("start -> first step seen (end to end)", "seen"),
+        ):
+            print(
+                f"{label:34}{med('gpuctl', key):13.2f}s{med('by_hand', key):9.2f}s"
+                f"{med('gpuctl', key) - med('by_hand', key):+8.2f}s"
+            )
+        print(
+            "(end to end includes DeepSpeed's own start-up, identical work for both; on a loaded machine it\n"
+            " varies by tens of seconds, so the overhead rows are the comparison. Goal: extra <= +2 s)"
+        )
         hand = med("by_hand", "seen")
         gp = med("gpuctl", "seen")
         if args.json:
-            args.json.write_text(json.dumps({"up_s": up_s, "ranks": args.ranks, "rounds": rows,
-                                             "median_gpuctl_s": gp, "median_by_hand_s": hand,
-                                             "median_extra_overhead_s": med("gpuctl", "overhead") - med("by_hand", "overhead")},
-                                            indent=2))
+            args.json.write_text(
+                json.dumps(
+                    {
+                        "up_s": up_s,
+                        "ranks": args.ranks,
+                        "rounds": rows,
+                        "median_gpuctl_s": gp,
+                        "median_by_hand_s": hand,
+                        "median_extra_overhead_s": med("gpuctl", "overhead") - med("by_hand", "overhead"),
+                    },
+                    indent=2,
+                )
+            )
     finally:
         subprocess.run([*gpuctl, "down"], cwd=project, env=env, capture_output=True, timeout=300)
         server.stop()

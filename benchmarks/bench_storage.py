@@ -48,7 +48,7 @@ def make_checkpoint(root: Path, size_mb: int, n_large: int = 4, n_small: int = 2
             while left:
                 chunk = block[: min(left, len(block))]
                 head = os.urandom(min(16, len(chunk)))  # distinct content per block
-                f.write(head + chunk[len(head):])
+                f.write(head + chunk[len(head) :])
                 left -= len(chunk)
     sub = root / "extra"
     sub.mkdir()
@@ -82,11 +82,20 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, help="scratch dir (default: a temp dir, removed)")
     args = ap.parse_args()
 
-    env = dict(os.environ, AWS_ACCESS_KEY_ID=TEST_KEY_ID, AWS_SECRET_ACCESS_KEY=TEST_SECRET,
-               AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
+    env = dict(
+        os.environ,
+        AWS_ACCESS_KEY_ID=TEST_KEY_ID,
+        AWS_SECRET_ACCESS_KEY=TEST_SECRET,
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_EC2_METADATA_DISABLED="true",
+    )
     env.pop("AWS_PROFILE", None)
-    os.environ.update({k: env[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                                           "AWS_DEFAULT_REGION", "AWS_EC2_METADATA_DISABLED")})
+    os.environ.update(
+        {
+            k: env[k]
+            for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_EC2_METADATA_DISABLED")
+        }
+    )
     os.environ.pop("AWS_PROFILE", None)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-storage-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -105,8 +114,7 @@ def main() -> None:
         for tool in tools:
             dst = work / f"dl-{tool}"
             if tool == "objstore":
-                store = CheckpointStore.from_config(
-                    {"url": f"s3://{bucket}/objstore", "endpoint_url": ep})
+                store = CheckpointStore.from_config({"url": f"s3://{bucket}/objstore", "endpoint_url": ep})
                 backends._hash_cache.clear()
                 t = time.perf_counter()
                 store.upload_shards(src, "step100", 0, step=100)
@@ -129,19 +137,29 @@ def main() -> None:
                 if exe is None:
                     print("aws not installed: skipped")
                     continue
-                up = timed([exe, "--endpoint-url", ep, "s3", "sync", "--only-show-errors", str(src),
-                            f"s3://{bucket}/aws/"], env)
-                down = timed([exe, "--endpoint-url", ep, "s3", "sync", "--only-show-errors",
-                              f"s3://{bucket}/aws/", str(dst)], env)
+                up = timed(
+                    [exe, "--endpoint-url", ep, "s3", "sync", "--only-show-errors", str(src), f"s3://{bucket}/aws/"],
+                    env,
+                )
+                down = timed(
+                    [exe, "--endpoint-url", ep, "s3", "sync", "--only-show-errors", f"s3://{bucket}/aws/", str(dst)],
+                    env,
+                )
                 got = dst
             else:
                 raise SystemExit(f"unknown tool {tool}")
             ok = same_tree(src, got)
-            results["tools"][tool] = {"upload_s": up, "download_s": down,
-                                      "upload_MBps": total / 1e6 / up,
-                                      "download_MBps": total / 1e6 / down, "verified": ok}
-            print(f"{tool:9s} upload {total / 1e6 / up:7.1f} MB/s ({up:6.2f} s)   "
-                  f"download {total / 1e6 / down:7.1f} MB/s ({down:6.2f} s)   identical: {ok}")
+            results["tools"][tool] = {
+                "upload_s": up,
+                "download_s": down,
+                "upload_MBps": total / 1e6 / up,
+                "download_MBps": total / 1e6 / down,
+                "verified": ok,
+            }
+            print(
+                f"{tool:9s} upload {total / 1e6 / up:7.1f} MB/s ({up:6.2f} s)   "
+                f"download {total / 1e6 / down:7.1f} MB/s ({down:6.2f} s)   identical: {ok}"
+            )
             shutil.rmtree(dst, ignore_errors=True)
 
         # -- no-op re-sync of an unchanged 100-file checkpoint ------------------------
@@ -149,8 +167,7 @@ def main() -> None:
         small.mkdir(parents=True)
         for i in range(100):
             (small / f"shard_{i:03d}.pt").write_bytes(os.urandom(64 << 10))
-        store = CheckpointStore.from_config({"url": f"s3://{bucket}/noop",
-                                                      "endpoint_url": ep})
+        store = CheckpointStore.from_config({"url": f"s3://{bucket}/noop", "endpoint_url": ep})
         store.upload_shards(small, "step1", 0)
         noop: dict[str, float] = {}
         runs = []
@@ -166,13 +183,13 @@ def main() -> None:
         if venv_bin("s5cmd"):
             exe = venv_bin("s5cmd")
             timed([exe, "--endpoint-url", ep, "sync", f"{small}/", f"s3://{bucket}/noop-s5/"], env)
-            noop["s5cmd sync"] = timed([exe, "--endpoint-url", ep, "sync", f"{small}/",
-                                        f"s3://{bucket}/noop-s5/"], env)
+            noop["s5cmd sync"] = timed([exe, "--endpoint-url", ep, "sync", f"{small}/", f"s3://{bucket}/noop-s5/"], env)
         if venv_bin("aws"):
             exe = venv_bin("aws")
             timed([exe, "--endpoint-url", ep, "s3", "sync", str(small), f"s3://{bucket}/noop-aws/"], env)
-            noop["aws s3 sync"] = timed([exe, "--endpoint-url", ep, "s3", "sync", str(small),
-                                         f"s3://{bucket}/noop-aws/"], env)
+            noop["aws s3 sync"] = timed(
+                [exe, "--endpoint-url", ep, "s3", "sync", str(small), f"s3://{bucket}/noop-aws/"], env
+            )
         results["noop_100_files_s"] = noop
         for name, secs in noop.items():
             print(f"no-op sync, 100 files: {name:28s} {secs * 1000:7.1f} ms")

@@ -36,15 +36,23 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import test_trainer_helpers as helpers  # noqa: E402
+
 from tests.s3server import TEST_KEY_ID, TEST_SECRET, MotoS3, RcloneS3  # noqa: E402
 
 UPLOAD_DONE = re.compile(r"upload done(?: and published)? in ([0-9.]+) s")
 
 
 def one_run(work: Path, name: str, args, storage: dict | None) -> dict:
-    run_dir = helpers.make_run_dir(work / name, world=args.ranks, grad_accum=args.grad_accum,
-                                   max_steps=args.steps, checkpoint_every=args.every, seq_len=args.seq_len,
-                                   keep_local=2, storage=storage)
+    run_dir = helpers.make_run_dir(
+        work / name,
+        world=args.ranks,
+        grad_accum=args.grad_accum,
+        max_steps=args.steps,
+        checkpoint_every=args.every,
+        seq_len=args.seq_len,
+        keep_local=2,
+        storage=storage,
+    )
     for attempt in range(3):
         t0 = time.perf_counter()
         proc = helpers.launch(run_dir, args.ranks, timeout=1800)
@@ -59,8 +67,9 @@ def one_run(work: Path, name: str, args, storage: dict | None) -> dict:
             (run_dir / stale).unlink(missing_ok=True)
         if storage:
             storage["url"] += f"-retry{attempt + 1}"
-            (run_dir / "run.json").write_text(json.dumps({**json.loads((run_dir / "run.json").read_text()),
-                                                          "storage": storage}, indent=2))
+            (run_dir / "run.json").write_text(
+                json.dumps({**json.loads((run_dir / "run.json").read_text()), "storage": storage}, indent=2)
+            )
     if proc.returncode != 0:
         raise SystemExit(f"{name}: trainer failed ({proc.returncode}):\n{proc.stdout[-3000:]}")
     summary = helpers.summary(run_dir)
@@ -68,11 +77,17 @@ def one_run(work: Path, name: str, args, storage: dict | None) -> dict:
     first, last = metrics[0], metrics[-1]
     span = last["time"] - first["time"]  # from the end of step 1 to the end of the last step
     upload_s = sum(float(m) for m in UPLOAD_DONE.findall(proc.stdout))
-    ckpt_mb = sum(p.stat().st_size for p in (run_dir / "checkpoints" / f"step{args.steps}").rglob("*")
-                  if p.is_file()) / 1e6
-    return {"steady_tokens_per_s": summary["tokens_per_s"], "wall_tokens_per_s": (last["tokens"] - first["tokens"]) / span,
-            "upload_busy": upload_s / span if storage else 0.0, "uploads": len(UPLOAD_DONE.findall(proc.stdout)),
-            "checkpoint_mb": ckpt_mb, "process_s": wall}
+    ckpt_mb = (
+        sum(p.stat().st_size for p in (run_dir / "checkpoints" / f"step{args.steps}").rglob("*") if p.is_file()) / 1e6
+    )
+    return {
+        "steady_tokens_per_s": summary["tokens_per_s"],
+        "wall_tokens_per_s": (last["tokens"] - first["tokens"]) / span,
+        "upload_busy": upload_s / span if storage else 0.0,
+        "uploads": len(UPLOAD_DONE.findall(proc.stdout)),
+        "checkpoint_mb": ckpt_mb,
+        "process_s": wall,
+    }
 
 
 def renice(pid: int, nice: int) -> None:
@@ -104,8 +119,12 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, help="scratch dir (default: a temp dir, removed)")
     args = ap.parse_args()
 
-    os.environ.update(AWS_ACCESS_KEY_ID=TEST_KEY_ID, AWS_SECRET_ACCESS_KEY=TEST_SECRET,
-                      AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
+    os.environ.update(
+        AWS_ACCESS_KEY_ID=TEST_KEY_ID,
+        AWS_SECRET_ACCESS_KEY=TEST_SECRET,
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_EC2_METADATA_DISABLED="true",
+    )
     os.environ.pop("AWS_PROFILE", None)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-train-upload-"))
@@ -117,28 +136,49 @@ def main() -> None:
         bucket = server.make_bucket()
         for i in range(args.repeats):
             for arm in ("off", "on"):
-                storage = ({"url": f"s3://{bucket}/bench/{i}", "endpoint_url": server.endpoint, "keep": 3}
-                           if arm == "on" else None)
+                storage = (
+                    {"url": f"s3://{bucket}/bench/{i}", "endpoint_url": server.endpoint, "keep": 3}
+                    if arm == "on"
+                    else None
+                )
                 result = one_run(work, f"{arm}-{i}", args, storage)
                 runs[arm].append(result)
-                print(f"{arm:3s} #{i}: steady {result['steady_tokens_per_s']:8.1f} tok/s   wall "
-                      f"{result['wall_tokens_per_s']:8.1f} tok/s   uploader busy {result['upload_busy']:5.0%} "
-                      f"({result['uploads']} uploads of {result['checkpoint_mb']:.1f} MB)", flush=True)
+                print(
+                    f"{arm:3s} #{i}: steady {result['steady_tokens_per_s']:8.1f} tok/s   wall "
+                    f"{result['wall_tokens_per_s']:8.1f} tok/s   uploader busy {result['upload_busy']:5.0%} "
+                    f"({result['uploads']} uploads of {result['checkpoint_mb']:.1f} MB)",
+                    flush=True,
+                )
 
     def median(arm: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[arm])
 
     ratio_steady = median("on", "steady_tokens_per_s") / median("off", "steady_tokens_per_s")
     ratio_wall = median("on", "wall_tokens_per_s") / median("off", "wall_tokens_per_s")
-    print(f"\nmedian steady tokens/s: off {median('off', 'steady_tokens_per_s'):.1f}, on "
-          f"{median('on', 'steady_tokens_per_s'):.1f}  -> {ratio_steady:.3f}x (goal >= 0.9)")
-    print(f"median wall tokens/s:   off {median('off', 'wall_tokens_per_s'):.1f}, on "
-          f"{median('on', 'wall_tokens_per_s'):.1f}  -> {ratio_wall:.3f}x")
-    print(f"uploader busy {median('on', 'upload_busy'):.0%} of the training time "
-          f"({args.ranks} ranks, {os.cpu_count()} cores, server {args.server} at nice {args.server_nice})")
+    print(
+        f"\nmedian steady tokens/s: off {median('off', 'steady_tokens_per_s'):.1f}, on "
+        f"{median('on', 'steady_tokens_per_s'):.1f}  -> {ratio_steady:.3f}x (goal >= 0.9)"
+    )
+    print(
+        f"median wall tokens/s:   off {median('off', 'wall_tokens_per_s'):.1f}, on "
+        f"{median('on', 'wall_tokens_per_s'):.1f}  -> {ratio_wall:.3f}x"
+    )
+    print(
+        f"uploader busy {median('on', 'upload_busy'):.0%} of the training time "
+        f"({args.ranks} ranks, {os.cpu_count()} cores, server {args.server} at nice {args.server_nice})"
+    )
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs,
-                                         "ratio_steady": ratio_steady, "ratio_wall": ratio_wall}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "runs": runs,
+                    "ratio_steady": ratio_steady,
+                    "ratio_wall": ratio_wall,
+                },
+                indent=1,
+            )
+        )
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
 

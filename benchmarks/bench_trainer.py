@@ -15,6 +15,7 @@ first (warm-up) step:
 
 Goal: trainer / bare >= 0.95.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,9 @@ def bare_loop(steps: int, seq_len: int) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(1234)
     vocab = 259
-    model = LlamaForCausalLM._from_config(LlamaConfig(vocab_size=vocab, use_cache=False, **TINY_SHAPE),
-                                          attn_implementation="sdpa")
+    model = LlamaForCausalLM._from_config(
+        LlamaConfig(vocab_size=vocab, use_cache=False, **TINY_SHAPE), attn_implementation="sdpa"
+    )
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config="ds_config.json")
     tokens_per_step = engine.train_batch_size() * seq_len
     timed, seconds = 0, 0.0
@@ -105,9 +107,16 @@ def interleaved_loop(steps: int) -> None:
 def make_run(root: Path, name: str, args: argparse.Namespace) -> Path:
     import test_trainer_helpers as h
 
-    return h.make_run_dir(root / f"{name}-{time.monotonic_ns()}", world=args.ranks, grad_accum=4,
-                          precision=args.precision, max_steps=args.steps, seq_len=args.seq_len,
-                          checkpoint_every=0, log_every=1)
+    return h.make_run_dir(
+        root / f"{name}-{time.monotonic_ns()}",
+        world=args.ranks,
+        grad_accum=4,
+        precision=args.precision,
+        max_steps=args.steps,
+        seq_len=args.seq_len,
+        checkpoint_every=0,
+        log_every=1,
+    )
 
 
 def run_trainer(root: Path, args: argparse.Namespace) -> float:
@@ -127,15 +136,28 @@ def run_script(root: Path, args: argparse.Namespace, mode: str) -> dict:
     import test_trainer_helpers as h
 
     run = make_run(root, mode, args)
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.ranks), "--no_local_rank",
-           "--master_port", str(h.free_port()), str(Path(__file__).resolve()), f"--{mode}", "--steps",
-           str(args.steps), "--seq-len", str(args.seq_len)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        str(args.ranks),
+        "--no_local_rank",
+        "--master_port",
+        str(h.free_port()),
+        str(Path(__file__).resolve()),
+        f"--{mode}",
+        "--steps",
+        str(args.steps),
+        "--seq-len",
+        str(args.seq_len),
+    ]
     proc = subprocess.run(cmd, cwd=run, env=h.rank_env(), capture_output=True, text=True, timeout=900, check=False)
     marker = f"{mode.upper()} "
     lines = [line for line in proc.stdout.splitlines() if line.startswith(marker)]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"{mode} run failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return json.loads(lines[0][len(marker):])
+    return json.loads(lines[0][len(marker) :])
 
 
 def end_to_end(root: Path, args: argparse.Namespace) -> dict:
@@ -146,9 +168,12 @@ def end_to_end(root: Path, args: argparse.Namespace) -> dict:
             results[name].append(rate)
             print(f"end-to-end round {n + 1}: {name:7s} {rate:8.0f} tokens/s", flush=True)
     median = {name: statistics.median(rates) for name, rates in results.items()}
-    return {"trainer_median": round(median["trainer"], 1), "bare_median": round(median["bare"], 1),
-            "ratio_of_medians": round(median["trainer"] / median["bare"], 3),
-            "rounds": {name: [round(r) for r in rates] for name, rates in results.items()}}
+    return {
+        "trainer_median": round(median["trainer"], 1),
+        "bare_median": round(median["bare"], 1),
+        "ratio_of_medians": round(median["trainer"] / median["bare"], 3),
+        "rounds": {name: [round(r) for r in rates] for name, rates in results.items()},
+    }
 
 
 def main() -> None:
@@ -167,13 +192,21 @@ def main() -> None:
     if args.interleaved:
         interleaved_loop(args.steps)
         return
-    report = {"ranks": args.ranks, "steps": args.steps, "seq_len": args.seq_len, "precision": args.precision,
-              "goal": "trainer / bare >= 0.95"}
+    report = {
+        "ranks": args.ranks,
+        "steps": args.steps,
+        "seq_len": args.seq_len,
+        "precision": args.precision,
+        "goal": "trainer / bare >= 0.95",
+    }
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
         rates = run_script(Path(tmp), args, "interleaved")
         print(f"interleaved: trainer {rates['trainer']:.0f} tokens/s, bare {rates['bare']:.0f} tokens/s", flush=True)
-        report["interleaved"] = {"trainer": round(rates["trainer"], 1), "bare": round(rates["bare"], 1),
-                                 "ratio": round(rates["trainer"] / rates["bare"], 3)}
+        report["interleaved"] = {
+            "trainer": round(rates["trainer"], 1),
+            "bare": round(rates["bare"], 1),
+            "ratio": round(rates["trainer"] / rates["bare"], 3),
+        }
         if args.rounds:
             report["end_to_end"] = end_to_end(Path(tmp), args)
     print(json.dumps(report))

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from provision.estimate.plan import GB, KNOWN_MODELS, PlanError, PlanInput, PlanResult, plan  # noqa: E402
+from provision.estimate.plan import GB, KNOWN_MODELS, PlanError, PlanInput, PlanResult, plan
 
 TINY_SMOKE = dict(hidden=256, heads=4, intermediate=688, vocab=1024)
 
@@ -64,23 +64,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def plan_for(args: argparse.Namespace, gpu_name: str, gpu_mem_gb: float | None) -> PlanResult:
     base = KNOWN_MODELS["deepseek-7b"]
-    dims = dataclasses.replace(base, name=f"deepseek-7b-{args.layers}L", layers=args.layers,
-                               **(TINY_SMOKE if args.cpu_smoke else {}))
-    return plan(PlanInput(model=dims, gpus_per_node=1, zero_stage=args.zero_stage, offload_optimizer=args.offload,
-                          micro_batch=args.micro_batch, seq_len=args.seq_len,
-                          gradient_checkpointing=not args.no_checkpointing, precision=args.precision,
-                          gpu=gpu_name, gpu_mem_gb=gpu_mem_gb))
+    dims = dataclasses.replace(
+        base, name=f"deepseek-7b-{args.layers}L", layers=args.layers, **(TINY_SMOKE if args.cpu_smoke else {})
+    )
+    return plan(
+        PlanInput(
+            model=dims,
+            gpus_per_node=1,
+            zero_stage=args.zero_stage,
+            offload_optimizer=args.offload,
+            micro_batch=args.micro_batch,
+            seq_len=args.seq_len,
+            gradient_checkpointing=not args.no_checkpointing,
+            precision=args.precision,
+            gpu=gpu_name,
+            gpu_mem_gb=gpu_mem_gb,
+        )
+    )
 
 
 def print_plan(pred: PlanResult) -> None:
     m = pred.memory
-    print(f"plan: {pred.model.name} {pred.params / 1e6:,.1f}M params on {pred.gpu.name}: {m.total_gb:.1f} GB per GPU "
-          f"(model states {m.model_states_bytes / GB:.1f}, buffers {m.buffers_gb:.1f}, activations "
-          f"{m.activations_gb:.1f}, fragmentation {m.fragmentation_gb:.1f}, context {m.cuda_context_gb:.1f}) of "
-          f"{pred.gpu_capacity_gb:.0f} GB -> {'fits' if pred.fits else 'does NOT fit'}")
-    print(f"plan: host RAM {pred.host_ram_gb:.1f} GB (Adam states {pred.host_adam_states_gb:.1f} GB); "
-          f"{pred.tokens_per_s_low:,.0f}-{pred.tokens_per_s_high:,.0f} tokens/s at "
-          f"{pred.input.mfu_low:.0%}-{pred.input.mfu_high:.0%} utilisation")
+    print(
+        f"plan: {pred.model.name} {pred.params / 1e6:,.1f}M params on {pred.gpu.name}: {m.total_gb:.1f} GB per GPU "
+        f"(model states {m.model_states_bytes / GB:.1f}, buffers {m.buffers_gb:.1f}, activations "
+        f"{m.activations_gb:.1f}, fragmentation {m.fragmentation_gb:.1f}, context {m.cuda_context_gb:.1f}) of "
+        f"{pred.gpu_capacity_gb:.0f} GB -> {'fits' if pred.fits else 'does NOT fit'}"
+    )
+    print(
+        f"plan: host RAM {pred.host_ram_gb:.1f} GB (Adam states {pred.host_adam_states_gb:.1f} GB); "
+        f"{pred.tokens_per_s_low:,.0f}-{pred.tokens_per_s_high:,.0f} tokens/s at "
+        f"{pred.input.mfu_low:.0%}-{pred.input.mfu_high:.0%} utilisation"
+    )
 
 
 def host_ram_check(args: argparse.Namespace, pred: PlanResult) -> None:
@@ -96,8 +111,10 @@ def host_ram_check(args: argparse.Namespace, pred: PlanResult) -> None:
         per_layer = (pred.params - dataclasses.replace(dims, layers=0).params) / dims.layers
         fixed = pred.params - per_layer * dims.layers
         fits = max(int((avail / 1.1 / per_param - fixed) // per_layer), 0)
-        raise CannotRun(f"gpu_check: offload needs ~{need / GB:.0f} GB host RAM for {dims.layers} layers, "
-                        f"{avail / GB:.0f} GB available: use --layers {fits} (or --force)")
+        raise CannotRun(
+            f"gpu_check: offload needs ~{need / GB:.0f} GB host RAM for {dims.layers} layers, "
+            f"{avail / GB:.0f} GB available: use --layers {fits} (or --force)"
+        )
 
 
 def free_port() -> int:
@@ -119,8 +136,10 @@ def run(args: argparse.Namespace) -> dict:
         dev, gpu_name, gpu_mem = torch.device("cpu"), args.gpu or "RTX 4090", None
     else:
         if not torch.cuda.is_available():
-            raise CannotRun(f"gpu_check: no CUDA device visible (torch {torch.__version__}, CUDA build "
-                            f"{torch.version.cuda or 'none'}); run it on an NVIDIA GPU machine, or use --plan-only")
+            raise CannotRun(
+                f"gpu_check: no CUDA device visible (torch {torch.__version__}, CUDA build "
+                f"{torch.version.cuda or 'none'}); run it on an NVIDIA GPU machine, or use --plan-only"
+            )
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(dev)
         gpu_name = args.gpu or torch.cuda.get_device_name(dev)
@@ -140,16 +159,28 @@ def run(args: argparse.Namespace) -> dict:
     except ImportError as exc:
         raise CannotRun(f"gpu_check: {exc.name} is not installed (pip install deepspeed transformers)") from exc
 
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                       ("MASTER_PORT", str(free_port()))):
+    for key, value in (
+        ("RANK", "0"),
+        ("LOCAL_RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", str(free_port())),
+    ):
         os.environ.setdefault(key, value)
     deepspeed.init_distributed(dist_backend="gloo" if args.cpu_smoke else "nccl")
     dims = pred.model
     cfg = transformers.LlamaConfig(
-        hidden_size=dims.hidden, intermediate_size=dims.intermediate, num_hidden_layers=dims.layers,
-        num_attention_heads=dims.heads, num_key_value_heads=dims.kv_heads or dims.heads, vocab_size=dims.vocab,
-        max_position_embeddings=max(4096, args.seq_len), tie_word_embeddings=False, use_cache=False,
-        attn_implementation="sdpa")
+        hidden_size=dims.hidden,
+        intermediate_size=dims.intermediate,
+        num_hidden_layers=dims.layers,
+        num_attention_heads=dims.heads,
+        num_key_value_heads=dims.kv_heads or dims.heads,
+        vocab_size=dims.vocab,
+        max_position_embeddings=max(4096, args.seq_len),
+        tie_word_embeddings=False,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
     dtype = torch.float16 if args.precision == "fp16" else torch.bfloat16
     torch.manual_seed(1234)
     t_build = time.perf_counter()
@@ -169,14 +200,22 @@ def run(args: argparse.Namespace) -> dict:
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     cuda = dev.type == "cuda"  # the same ZeRO settings as gpuctl's templates/ds_config.json.j2
-    zero: dict = {"stage": args.zero_stage, "contiguous_gradients": True, "overlap_comm": cuda,
-                  "reduce_bucket_size": 200_000_000, "allgather_bucket_size": 200_000_000}
+    zero: dict = {
+        "stage": args.zero_stage,
+        "contiguous_gradients": True,
+        "overlap_comm": cuda,
+        "reduce_bucket_size": 200_000_000,
+        "allgather_bucket_size": 200_000_000,
+    }
     if args.offload == "cpu":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
     ds_config = {
-        "train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}},
-        "gradient_clipping": 1.0, "zero_optimization": zero, "steps_per_print": 10**9,
+        "gradient_clipping": 1.0,
+        "zero_optimization": zero,
+        "steps_per_print": 10**9,
         args.precision: {"enabled": True, **({"initial_scale_power": 12} if args.precision == "fp16" else {})},
     }
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
@@ -197,45 +236,73 @@ def run(args: argparse.Namespace) -> dict:
         sync()
         times.append(time.perf_counter() - t0)
         losses.append(loss.detach().float().item())
-        print(f"step {step}: loss {losses[-1]:.4f}  {times[-1]:.2f} s  "
-              f"{args.micro_batch * args.seq_len / times[-1]:,.0f} tokens/s", flush=True)
+        print(
+            f"step {step}: loss {losses[-1]:.4f}  {times[-1]:.2f} s  "
+            f"{args.micro_batch * args.seq_len / times[-1]:,.0f} tokens/s",
+            flush=True,
+        )
 
-    steady = times[args.warmup:]
+    steady = times[args.warmup :]
     tps = args.micro_batch * args.seq_len * len(steady) / sum(steady)
     hw_flops = pred.flops_per_token  # 6P, or 8P with recomputation
     result = {
-        "gpu": gpu_name, "params": n_params, "layers": dims.layers, "seq_len": args.seq_len,
-        "micro_batch": args.micro_batch, "zero_stage": args.zero_stage, "offload": args.offload,
-        "precision": args.precision, "gradient_checkpointing": not args.no_checkpointing,
-        "step_times_s": times, "losses": losses, "skipped_steps": int(getattr(engine, "skipped_steps", 0)),
-        "tokens_per_s": tps, "tflops_per_gpu": tps * hw_flops / 1e12, "mfu": tps * 6 * n_params / peak,
-        "peak_tflops": peak / 1e12, "host_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB,
-        "plan": {"gpu_gb_per_rank": pred.gpu_gb_per_rank, "model_states_gb": pred.memory.model_states_bytes / GB,
-                 "activations_gb": pred.memory.activations_gb, "buffers_gb": pred.memory.buffers_gb,
-                 "host_ram_gb": pred.host_ram_gb, "tokens_per_s_low": pred.tokens_per_s_low,
-                 "tokens_per_s_high": pred.tokens_per_s_high, "fits": pred.fits},
+        "gpu": gpu_name,
+        "params": n_params,
+        "layers": dims.layers,
+        "seq_len": args.seq_len,
+        "micro_batch": args.micro_batch,
+        "zero_stage": args.zero_stage,
+        "offload": args.offload,
+        "precision": args.precision,
+        "gradient_checkpointing": not args.no_checkpointing,
+        "step_times_s": times,
+        "losses": losses,
+        "skipped_steps": int(getattr(engine, "skipped_steps", 0)),
+        "tokens_per_s": tps,
+        "tflops_per_gpu": tps * hw_flops / 1e12,
+        "mfu": tps * 6 * n_params / peak,
+        "peak_tflops": peak / 1e12,
+        "host_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB,
+        "plan": {
+            "gpu_gb_per_rank": pred.gpu_gb_per_rank,
+            "model_states_gb": pred.memory.model_states_bytes / GB,
+            "activations_gb": pred.memory.activations_gb,
+            "buffers_gb": pred.memory.buffers_gb,
+            "host_ram_gb": pred.host_ram_gb,
+            "tokens_per_s_low": pred.tokens_per_s_low,
+            "tokens_per_s_high": pred.tokens_per_s_high,
+            "fits": pred.fits,
+        },
     }
     if dev.type == "cuda":
         free, total = torch.cuda.mem_get_info(dev)
-        result |= {"peak_allocated_gb": torch.cuda.max_memory_allocated(dev) / GB,
-                   "peak_reserved_gb": torch.cuda.max_memory_reserved(dev) / GB,
-                   "device_used_now_gb": (total - free) / GB}
+        result |= {
+            "peak_allocated_gb": torch.cuda.max_memory_allocated(dev) / GB,
+            "peak_reserved_gb": torch.cuda.max_memory_reserved(dev) / GB,
+            "device_used_now_gb": (total - free) / GB,
+        }
     return result
 
 
 def report(res: dict) -> None:
     p = res["plan"]
-    print(f"\nmeasured: {res['tokens_per_s']:,.0f} tokens/s, {res['tflops_per_gpu']:.1f} TFLOP/s per GPU (with "
-          f"recompute), MFU {res['mfu']:.1%} of {res['peak_tflops']:g} TFLOP/s; plan "
-          f"{p['tokens_per_s_low']:,.0f}-{p['tokens_per_s_high']:,.0f} tokens/s; "
-          f"{res['skipped_steps']} overflow steps skipped")
+    print(
+        f"\nmeasured: {res['tokens_per_s']:,.0f} tokens/s, {res['tflops_per_gpu']:.1f} TFLOP/s per GPU (with "
+        f"recompute), MFU {res['mfu']:.1%} of {res['peak_tflops']:g} TFLOP/s; plan "
+        f"{p['tokens_per_s_low']:,.0f}-{p['tokens_per_s_high']:,.0f} tokens/s; "
+        f"{res['skipped_steps']} overflow steps skipped"
+    )
     if "peak_allocated_gb" in res:
-        print(f"measured: peak allocated {res['peak_allocated_gb']:.2f} GB, reserved {res['peak_reserved_gb']:.2f} GB,"
-              f" device in use now {res['device_used_now_gb']:.2f} GB; plan {p['gpu_gb_per_rank']:.2f} GB per GPU "
-              f"(model states {p['model_states_gb']:.2f} + buffers {p['buffers_gb']:.2f} + activations "
-              f"{p['activations_gb']:.2f} + fragmentation + context)")
-    print(f"measured: host peak RSS {res['host_peak_rss_gb']:.1f} GB; plan host RAM {p['host_ram_gb']:.1f} GB "
-          "(DeepSpeed's estimate, x1.5 buffer factor)")
+        print(
+            f"measured: peak allocated {res['peak_allocated_gb']:.2f} GB, reserved {res['peak_reserved_gb']:.2f} GB,"
+            f" device in use now {res['device_used_now_gb']:.2f} GB; plan {p['gpu_gb_per_rank']:.2f} GB per GPU "
+            f"(model states {p['model_states_gb']:.2f} + buffers {p['buffers_gb']:.2f} + activations "
+            f"{p['activations_gb']:.2f} + fragmentation + context)"
+        )
+    print(
+        f"measured: host peak RSS {res['host_peak_rss_gb']:.1f} GB; plan host RAM {p['host_ram_gb']:.1f} GB "
+        "(DeepSpeed's estimate, x1.5 buffer factor)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

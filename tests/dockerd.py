@@ -33,10 +33,43 @@ import pytest
 
 DOCKERD = shutil.which("dockerd") or "/usr/sbin/dockerd"
 BASE_IMAGE = "gpuctl-test-base:1"
-TOOLS = ("bash", "cat", "ls", "mkdir", "rm", "mv", "cp", "sleep", "date", "env", "id", "uname",
-         "head", "tail", "tr", "true", "false", "echo", "sha256sum", "hostname", "ps")
-STDLIB_SKIP = {"test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3", "pydoc_data",
-               "__pycache__", "site-packages", "dist-packages", "unittest", "distutils"}
+TOOLS = (
+    "bash",
+    "cat",
+    "ls",
+    "mkdir",
+    "rm",
+    "mv",
+    "cp",
+    "sleep",
+    "date",
+    "env",
+    "id",
+    "uname",
+    "head",
+    "tail",
+    "tr",
+    "true",
+    "false",
+    "echo",
+    "sha256sum",
+    "hostname",
+    "ps",
+)
+STDLIB_SKIP = {
+    "test",
+    "idlelib",
+    "tkinter",
+    "turtledemo",
+    "ensurepip",
+    "lib2to3",
+    "pydoc_data",
+    "__pycache__",
+    "site-packages",
+    "dist-packages",
+    "unittest",
+    "distutils",
+}
 
 
 class Dockerd:
@@ -53,13 +86,24 @@ class Dockerd:
     def env(self) -> dict[str, str]:
         return {**os.environ, "DOCKER_HOST": self.host}
 
-    def start(self, timeout: float = 60) -> "Dockerd":
-        argv = [DOCKERD, "--storage-driver=vfs", "--bridge=none", "--iptables=false", "--ip6tables=false",
-                "--data-root", str(self.root / "data"), "--exec-root", str(self.root / "exec"),
-                "--pidfile", str(self.root / "dockerd.pid"), "-H", self.host]
+    def start(self, timeout: float = 60) -> Dockerd:
+        argv = [
+            DOCKERD,
+            "--storage-driver=vfs",
+            "--bridge=none",
+            "--iptables=false",
+            "--ip6tables=false",
+            "--data-root",
+            str(self.root / "data"),
+            "--exec-root",
+            str(self.root / "exec"),
+            "--pidfile",
+            str(self.root / "dockerd.pid"),
+            "-H",
+            self.host,
+        ]
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -69,10 +113,10 @@ class Dockerd:
             time.sleep(0.2)
         raise RuntimeError(f"dockerd did not answer within {timeout}s: {self.log.read_text()[-2000:]}")
 
-    def docker(self, *args: str, check: bool = True, input: bytes | None = None,
-               timeout: float = 300) -> subprocess.CompletedProcess:
-        result = subprocess.run(["docker", *args], env=self.env, capture_output=True, input=input,
-                                timeout=timeout)
+    def docker(
+        self, *args: str, check: bool = True, input: bytes | None = None, timeout: float = 300
+    ) -> subprocess.CompletedProcess:
+        result = subprocess.run(["docker", *args], env=self.env, capture_output=True, input=input, timeout=timeout)
         if check and result.returncode != 0:
             raise RuntimeError(f"docker {' '.join(args)}: {result.stderr.decode()[-2000:]}")
         return result
@@ -117,8 +161,13 @@ def host_python() -> tuple[str, Path]:
     """(interpreter, its stdlib): Debian's /usr/bin/python3 when there, else the one running pytest."""
     if os.path.exists("/usr/bin/python3"):
         real = os.path.realpath("/usr/bin/python3")
-        out = subprocess.run([real, "-c", "import sysconfig; print(sysconfig.get_paths()['stdlib'])"],
-                             capture_output=True, text=True, check=True, timeout=60)
+        out = subprocess.run(
+            [real, "-c", "import sysconfig; print(sysconfig.get_paths()['stdlib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        )
         return real, Path(out.stdout.strip())
     return os.path.realpath(sys._base_executable), Path(sysconfig.get_paths()["stdlib"])
 
@@ -142,8 +191,10 @@ def minimal_rootfs(out: Path) -> Path:
             info.type, info.mode = tarfile.DIRTYPE, 0o1777 if folder == "tmp" else 0o755
             tar.addfile(info)
         # merged /usr, as Debian has it: /bin, /lib, /lib64 are links into /usr
-        files = {("usr" + p if p.startswith(("/bin/", "/lib/", "/lib64/")) else p.lstrip("/")): p
-                 for p in set(binaries) | libs}
+        files = {
+            ("usr" + p if p.startswith(("/bin/", "/lib/", "/lib64/")) else p.lstrip("/")): p
+            for p in set(binaries) | libs
+        }
         for arcname, path in sorted(files.items()):
             tar.add(os.path.realpath(path), arcname=arcname)
         tar.add(str(stdlib), arcname=str(stdlib).lstrip("/"), filter=skip)
@@ -164,8 +215,15 @@ def minimal_rootfs(out: Path) -> Path:
 
 
 def import_base(daemon: Dockerd, rootfs: Path, name: str = BASE_IMAGE) -> str:
-    daemon.docker("import", "--change", "ENV PATH=/usr/local/bin:/usr/bin:/bin",
-                  "--change", "WORKDIR /workspace", str(rootfs), name)
+    daemon.docker(
+        "import",
+        "--change",
+        "ENV PATH=/usr/local/bin:/usr/bin:/bin",
+        "--change",
+        "WORKDIR /workspace",
+        str(rootfs),
+        name,
+    )
     return daemon.image_id(name)
 
 

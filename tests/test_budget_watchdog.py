@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from provision.flows import job
 from provision.core import state
 from provision.core.config import GpuctlConfig, VastProvider
 from provision.core.errors import GpuctlError
+from provision.flows import job
 from provision.flows.render import BundleNode, BundleSpec, render_bundle
 from tests.fakes.harness import wait_until
 
@@ -28,19 +28,25 @@ pytestmark = pytest.mark.timeout(120)
 def bundle(tmp_path: Path, launcher: list[str], watchdog_s: int | None) -> Path:
     out = tmp_path / "run"
     marker = tmp_path / "torn-down"
-    spec = BundleSpec(run_id="cap-test", run_dir=str(out), nodes=[BundleNode("localhost", 1)],
-                      python=sys.executable, launcher_prefix=launcher, watchdog_s=watchdog_s,
-                      watchdog_run=[["bash", "-c", 'echo "key=${GPUCTL_TEARDOWN_KEY:-none}" > "$1"', "x",
-                                     str(marker)]],
-                      secrets={"GPUCTL_TEARDOWN_KEY": "k-123"})
+    spec = BundleSpec(
+        run_id="cap-test",
+        run_dir=str(out),
+        nodes=[BundleNode("localhost", 1)],
+        python=sys.executable,
+        launcher_prefix=launcher,
+        watchdog_s=watchdog_s,
+        watchdog_run=[["bash", "-c", 'echo "key=${GPUCTL_TEARDOWN_KEY:-none}" > "$1"', "x", str(marker)]],
+        secrets={"GPUCTL_TEARDOWN_KEY": "k-123"},
+    )
     render_bundle(GpuctlConfig(base_dir=tmp_path), spec, out)
     return out
 
 
 def start(run_dir: Path) -> subprocess.Popen:
     log = open(run_dir / "job.log", "w")
-    return subprocess.Popen(["setsid", "bash", "launch.sh"], cwd=run_dir, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL)
+    return subprocess.Popen(
+        ["setsid", "bash", "launch.sh"], cwd=run_dir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+    )
 
 
 def group_alive(pgid: int) -> bool:
@@ -82,12 +88,16 @@ def test_bundle_spec_wires_the_cap_from_the_cluster_record(tmp_path, monkeypatch
     from provision.providers import vast
     from provision.providers.base import SelfTeardown
 
-    monkeypatch.setattr(vast.VastBackend, "self_teardown",
-                        lambda self, cluster: SelfTeardown(["teardown-cmd"], {"GPUCTL_TEARDOWN_KEY": "k"}))
+    monkeypatch.setattr(
+        vast.VastBackend,
+        "self_teardown",
+        lambda self, cluster: SelfTeardown(["teardown-cmd"], {"GPUCTL_TEARDOWN_KEY": "k"}),
+    )
     cfg = GpuctlConfig(provider=VastProvider(max_hours=1), base_dir=tmp_path)
     node = state.NodeRecord(host="node0", slots=3, workdir="/root/gpuctl", instance_id="1")
-    cluster = state.ClusterRecord(name="c", provider="vast", nodes=[node], budget_hours=1.0,
-                                  created_at=time.time() - 600)
+    cluster = state.ClusterRecord(
+        name="c", provider="vast", nodes=[node], budget_hours=1.0, created_at=time.time() - 600
+    )
     spec = job.bundle_spec(cfg, cluster, "r1")
     assert 2990 <= spec.watchdog_s <= 3000 and spec.watchdog_run == [["teardown-cmd"]]
     assert spec.after_run == [] and spec.secrets["GPUCTL_TEARDOWN_KEY"] == "k"

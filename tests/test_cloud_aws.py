@@ -14,9 +14,9 @@ import pytest
 
 from provision.core.config import AWSProvider, load_config
 from provision.core.errors import AuthError, ConfigError, NoOfferError, ProviderError
+from provision.core.state import ClusterRecord, NodeRecord
 from provision.providers import aws, cloud
 from provision.providers.base import UpOptions
-from provision.core.state import ClusterRecord, NodeRecord
 from tests.fakes.harness import gpuctl, node_fields, write_config
 from tests.sshd import sshd  # noqa: F401 - fixture
 
@@ -40,8 +40,12 @@ def moto_url():
 @pytest.fixture
 def ec2(moto_url, monkeypatch, sshd):  # noqa: F811
     urllib.request.urlopen(urllib.request.Request(f"{moto_url}/moto-api/reset", method="POST"), timeout=30)
-    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1", aws.TEST_SSH_ENV: f"127.0.0.1:{sshd.port}"}.items():
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        aws.TEST_SSH_ENV: f"127.0.0.1:{sshd.port}",
+    }.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("AWS_PROFILE", raising=False)
     monkeypatch.setattr(cloud, "POLL_S", 0.2)
@@ -52,8 +56,9 @@ def ec2(moto_url, monkeypatch, sshd):  # noqa: F811
 
 def register_amis(client) -> str:
     """Two images by the configured name: the newer one must be picked."""
-    old = client.register_image(Name=AMI_NAME.replace("20260101", "20250101"), RootDeviceName="/dev/sda1",
-                                Architecture="x86_64")["ImageId"]
+    old = client.register_image(
+        Name=AMI_NAME.replace("20260101", "20250101"), RootDeviceName="/dev/sda1", Architecture="x86_64"
+    )["ImageId"]
     new = client.register_image(Name=AMI_NAME, RootDeviceName="/dev/sda1", Architecture="x86_64")["ImageId"]
     assert old != new
     return new
@@ -68,9 +73,17 @@ def instance_key(sshd, cluster: str) -> None:  # noqa: F811
 
 
 def provider(ec2, tmp_path, sshd, **extra) -> dict:  # noqa: F811
-    return {"kind": "aws", "api_url": ec2.url, "region": "us-east-1", "ami_owner": "self",
-            "ssh_cidr": "127.0.0.1/32", "ssh_user": sshd.user, "runtime": "none",  # no docker here
-            **node_fields(tmp_path), **extra}
+    return {
+        "kind": "aws",
+        "api_url": ec2.url,
+        "region": "us-east-1",
+        "ami_owner": "self",
+        "ssh_cidr": "127.0.0.1/32",
+        "ssh_user": sshd.user,
+        "runtime": "none",  # no docker here
+        **node_fields(tmp_path),
+        **extra,
+    }
 
 
 def test_up_creates_what_the_design_says_and_down_removes_it(project, ec2, tmp_path, sshd, state_dir):  # noqa: F811
@@ -90,13 +103,15 @@ def test_up_creates_what_the_design_says_and_down_removes_it(project, ec2, tmp_p
     assert inst["KeyName"] == "gpuctl-aws-t"
     tags = {t["Key"]: t["Value"] for t in inst["Tags"]}
     assert tags["gpuctl-cluster"] == "aws-t" and tags["Name"].startswith("gpuctl-aws-t-0-")
-    behaviour = ec2.describe_instance_attribute(InstanceId=node.instance_id,
-                                                Attribute="instanceInitiatedShutdownBehavior")
+    behaviour = ec2.describe_instance_attribute(
+        InstanceId=node.instance_id, Attribute="instanceInitiatedShutdownBehavior"
+    )
     assert behaviour["InstanceInitiatedShutdownBehavior"]["Value"] == "terminate"
     group = ec2.describe_security_groups(GroupIds=[inst["SecurityGroups"][0]["GroupId"]])["SecurityGroups"][0]
     assert group["GroupName"] == "gpuctl-aws-t"
-    assert [(p["FromPort"], p["ToPort"], [r["CidrIp"] for r in p["IpRanges"]]) for p in group["IpPermissions"]] \
-        == [(22, 22, ["127.0.0.1/32"])]
+    assert [(p["FromPort"], p["ToPort"], [r["CidrIp"] for r in p["IpRanges"]]) for p in group["IpPermissions"]] == [
+        (22, 22, ["127.0.0.1/32"])
+    ]
     pair = ec2.describe_key_pairs(KeyNames=["gpuctl-aws-t"])["KeyPairs"][0]
     assert pair["KeyName"] == "gpuctl-aws-t"
     assert [i.id for i in aws.BACKEND.list_instances(record)] == [node.instance_id]
@@ -107,7 +122,8 @@ def test_up_creates_what_the_design_says_and_down_removes_it(project, ec2, tmp_p
     state = ec2.describe_instances(InstanceIds=[node.instance_id])["Reservations"][0]["Instances"][0]["State"]
     assert state["Name"] == "terminated"
     assert not ec2.describe_security_groups(Filters=[{"Name": "group-name", "Values": ["gpuctl-aws-t"]}])[
-        "SecurityGroups"]
+        "SecurityGroups"
+    ]
     assert not [k for k in ec2.describe_key_pairs()["KeyPairs"] if k["KeyName"] == "gpuctl-aws-t"]
 
 
@@ -118,8 +134,9 @@ def test_offers_and_no_offer_line(project, ec2, tmp_path, sshd):  # noqa: F811
     write_config(project, provider(ec2, tmp_path, sshd, min_ram_gb=1024), name="aws-t")
     result = gpuctl("up", "--yes", cwd=project)
     assert result.returncode == 5
-    assert "no aws offer matches (instance_type=g5.12xlarge in us-east-1, >= 4 x A10G, memory>=1024 GB)" \
-        in result.stderr
+    assert (
+        "no aws offer matches (instance_type=g5.12xlarge in us-east-1, >= 4 x A10G, memory>=1024 GB)" in result.stderr
+    )
 
 
 def test_missing_ami_fails_before_anything_is_left(project, ec2, tmp_path, sshd, state_dir):  # noqa: F811
@@ -129,7 +146,8 @@ def test_missing_ami_fails_before_anything_is_left(project, ec2, tmp_path, sshd,
     reservations = ec2.describe_instances()["Reservations"]
     assert not [i for r in reservations for i in r["Instances"] if i["State"]["Name"] != "terminated"]
     assert not ec2.describe_security_groups(Filters=[{"Name": "group-name", "Values": ["gpuctl-aws-t"]}])[
-        "SecurityGroups"]
+        "SecurityGroups"
+    ]
     assert not list(state_dir.glob("clusters/*.json"))
 
 
@@ -146,8 +164,9 @@ def test_aws_errors_become_one_line_without_secrets():
     from botocore.exceptions import ClientError, NoCredentialsError
 
     def fail(code, status=400):
-        raise ClientError({"Error": {"Code": code, "Message": "msg"}, "ResponseMetadata": {"HTTPStatusCode": status}},
-                          "RunInstances")
+        raise ClientError(
+            {"Error": {"Code": code, "Message": "msg"}, "ResponseMetadata": {"HTTPStatusCode": status}}, "RunInstances"
+        )
 
     with pytest.raises(AuthError, match=r"AWS refused run \(AuthFailure\)"):
         with aws.aws_errors("run"):
@@ -165,11 +184,11 @@ def test_aws_errors_become_one_line_without_secrets():
 
 def test_price_must_be_known(ec2):
     with pytest.raises(ConfigError) as err:
-        aws.BACKEND.find_offers(AWSProvider(api_url=ec2.url, instance_type="g4dn.12xlarge", gpu="T4",
-                                            min_ram_gb=0))
+        aws.BACKEND.find_offers(AWSProvider(api_url=ec2.url, instance_type="g4dn.12xlarge", gpu="T4", min_ram_gb=0))
     assert "set provider.price_per_hour" in err.value.one_line()
-    offers = aws.BACKEND.find_offers(AWSProvider(api_url=ec2.url, instance_type="g4dn.12xlarge", gpu="T4",
-                                                 min_ram_gb=0, price_per_hour=3.9))
+    offers = aws.BACKEND.find_offers(
+        AWSProvider(api_url=ec2.url, instance_type="g4dn.12xlarge", gpu="T4", min_ram_gb=0, price_per_hour=3.9)
+    )
     assert [(o.id, o.num_gpus, o.price_per_hour) for o in offers] == [("g4dn.12xlarge", 4, 3.9)]
 
 

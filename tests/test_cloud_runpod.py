@@ -105,8 +105,18 @@ def test_wrong_key_is_a_clear_line_without_the_key(project, fake, tmp_path, stat
 def test_graphql_errors_and_unknown_fields_are_clear(fake):
     client = runpod.api(fake.url)
     with pytest.raises(NoOfferError):
-        runpod.gql(client, runpod.DEPLOY, {"input": {"gpuTypeId": "NVIDIA GeForce RTX 4090", "imageName": "x",
-                                                       "cloudType": "ALL", "minMemoryInGb": 999}})
+        runpod.gql(
+            client,
+            runpod.DEPLOY,
+            {
+                "input": {
+                    "gpuTypeId": "NVIDIA GeForce RTX 4090",
+                    "imageName": "x",
+                    "cloudType": "ALL",
+                    "minMemoryInGb": 999,
+                }
+            },
+        )
     with pytest.raises(Exception, match='Cannot query field "bogus"'):
         runpod.gql(client, "query { myself { pods { id bogus } } }")
 
@@ -117,8 +127,7 @@ def test_node_teardown_sends_pod_terminate(project, fake, tmp_path):
     assert teardown.argv[3] == "POST" and teardown.argv[4] == fake.url
     assert json.loads(teardown.argv[5])["variables"] == {"input": {"podId": "fakepod000001"}}
     assert fake.key not in " ".join(teardown.argv) and teardown.env == {"GPUCTL_TEARDOWN_KEY": fake.key}
-    done = subprocess.run(teardown.argv, env={**os.environ, **teardown.env}, capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(teardown.argv, env={**os.environ, **teardown.env}, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     assert not fake.pods
     again = subprocess.run(teardown.argv, env={**os.environ, **teardown.env}, capture_output=True, timeout=60)
@@ -128,8 +137,9 @@ def test_node_teardown_sends_pod_terminate(project, fake, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_e2e_up_train_self_teardown_down(project, fake, tmp_path, state_dir):
-    write_config(project, provider(fake, tmp_path, **node_fields(tmp_path, ranks=2)), name="rp-e2e",
-                 teardown="after-train")
+    write_config(
+        project, provider(fake, tmp_path, **node_fields(tmp_path, ranks=2)), name="rp-e2e", teardown="after-train"
+    )
     outputs = []
     for args in (("up", "--yes"), ("train",)):
         result = gpuctl(*args, cwd=project)

@@ -19,8 +19,7 @@ from provision.core.config import VastProvider, load_config
 from provision.core.errors import ProviderError
 from provision.providers import cloud, vast
 from provision.providers.base import UpOptions
-from tests.fakes.harness import (GPUCTL, assert_secret_absent, gpuctl, node_fields, ssh_target, wait_until,
-                                 write_config)
+from tests.fakes.harness import GPUCTL, assert_secret_absent, gpuctl, node_fields, ssh_target, wait_until, write_config
 from tests.fakes.vast_api import FakeVast
 from tests.sshd import sshd  # noqa: F401 - fixture
 
@@ -199,9 +198,21 @@ def test_down_when_the_node_already_deleted_itself_mid_run(project, fake, tmp_pa
     from provision.core import state
 
     _cfg, record, _ = up_in_process(project, fake, tmp_path)
-    state.save_run(state.RunRecord(run_id="r1", cluster=record.name, run_dir="/nowhere", bundle_dir="/nowhere",
-                                   world_size=3, train_batch_size=12, micro_batch=1, grad_accum=4, max_steps=4,
-                                   state="running", pgid=999999))
+    state.save_run(
+        state.RunRecord(
+            run_id="r1",
+            cluster=record.name,
+            run_dir="/nowhere",
+            bundle_dir="/nowhere",
+            world_size=3,
+            train_batch_size=12,
+            micro_batch=1,
+            grad_accum=4,
+            max_steps=4,
+            state="running",
+            pgid=999999,
+        )
+    )
     fake.instances.clear()  # the node tore itself down (budget cap) and took its SSH key along
     fake.ssh.remove_key((state_dir / "keys" / "vast-t" / "id_ed25519.pub").read_text())
     shown = gpuctl("status", cwd=project)
@@ -229,11 +240,11 @@ def test_two_nodes_take_the_two_cheapest_offers_and_end_together(project, fake, 
 def test_ctrl_c_during_up_after_create_leaves_nothing(project, fake, tmp_path, state_dir):
     fake.boot_polls = 10**6  # it never finishes booting
     write_config(project, provider(fake, tmp_path), name="vast-t")
-    proc = subprocess.Popen([*GPUCTL, "up", "--yes"], cwd=project, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*GPUCTL, "up", "--yes"], cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
-        wait_until(lambda: fake.instances and any("/ssh/" in p for _, p in fake.requests), 60,
-                   "the create call")
+        wait_until(lambda: fake.instances and any("/ssh/" in p for _, p in fake.requests), 60, "the create call")
         time.sleep(1)  # well inside the boot wait
         proc.send_signal(signal.SIGINT)
         _out, err = proc.communicate(timeout=90)
@@ -254,8 +265,7 @@ def test_the_node_teardown_command_is_python_urllib_with_the_key_in_env(project,
     assert teardown.env == {"GPUCTL_TEARDOWN_KEY": fake.key}
     assert fake.key not in " ".join(teardown.argv)
     # run it as the node would: the fake deletes the instance
-    done = subprocess.run(teardown.argv, env={**os.environ, **teardown.env}, capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(teardown.argv, env={**os.environ, **teardown.env}, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     assert not fake.instances
     again = subprocess.run(teardown.argv, env={**os.environ, **teardown.env}, capture_output=True, timeout=60)
@@ -302,7 +312,6 @@ def test_budget_cap_tears_the_node_down_even_if_the_run_goes_on(project, fake, t
     run_dir = next((tmp_path / "node" / "runs").iterdir())
     log = (run_dir / "job.log").read_text()
     assert "budget cap reached" in log and "self-teardown accepted" in log
-    wait_until(lambda: json.loads((run_dir / "status.json").read_text())["state"] == "cancelled", 60,
-               "the run to stop")
+    wait_until(lambda: json.loads((run_dir / "status.json").read_text())["state"] == "cancelled", 60, "the run to stop")
     down = gpuctl("down", "--yes", cwd=project)
     assert down.returncode == 0, down.stderr

@@ -101,10 +101,12 @@ def test_relative_paths_resolve_against_config(tmp_path):
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "d.txt").write_text("hello")
     path = tmp_path / "sub" / "gpuctl.yaml"
-    path.write_text(textwrap.dedent("""
+    path.write_text(
+        textwrap.dedent("""
         train: {data: d.txt}
         storage: {url: ./store}
-    """))
+    """)
+    )
     cfg = load_config(path)
     assert cfg.data_path() == (tmp_path / "sub" / "d.txt").resolve()
     assert cfg.storage_url() == (tmp_path / "sub" / "store").resolve().as_uri()

@@ -38,15 +38,19 @@ def hadolint() -> str:
 
 
 def test_hadolint_passes():
-    result = subprocess.run([hadolint(), "--config", str(REPO / ".hadolint.yaml"), str(REPO / "Dockerfile")],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [hadolint(), "--config", str(REPO / ".hadolint.yaml"), str(REPO / "Dockerfile")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_every_ignored_rule_has_a_reason():
     text = (REPO / ".hadolint.yaml").read_text()
     for rule in re.findall(r"^\s*-\s*(DL\d+|SC\d+)", text, re.M):
-        before = text[:text.index(f"- {rule}")]
+        before = text[: text.index(f"- {rule}")]
         assert re.search(rf"#.*{rule}", before), f"{rule} is ignored without a documented reason"
 
 
@@ -66,7 +70,7 @@ def test_base_image_cuda_matches_torch_build():
     assert labels()["org.gpuctl.cuda"] == match[1]
     torch_cuda = re.search(r"^# cuda: (\d+\.\d+)$", (IMAGES / "requirements-torch.txt").read_text(), re.M)[1]
     assert match[1].startswith(torch_cuda + "."), "DeepSpeed's ops need nvcc = torch's CUDA major.minor"
-    assert f"base.name=\"docker.io/{base.split('@')[0]}\"" in DOCKERFILE
+    assert f'base.name="docker.io/{base.split("@")[0]}"' in DOCKERFILE
 
 
 def test_arch_list_covers_rtx_4090_a100_h100():
@@ -78,9 +82,16 @@ def test_arch_list_covers_rtx_4090_a100_h100():
 
 
 def test_layers_are_ordered_for_caching():
-    order = [DOCKERFILE.index(s) for s in ("apt-get install", "requirements-torch.txt /",
-                                           "requirements-deepspeed.txt /", "requirements-train.txt /",
-                                           "COPY trainer/")]
+    order = [
+        DOCKERFILE.index(s)
+        for s in (
+            "apt-get install",
+            "requirements-torch.txt /",
+            "requirements-deepspeed.txt /",
+            "requirements-train.txt /",
+            "COPY trainer/",
+        )
+    ]
     assert order == sorted(order)
     assert DOCKERFILE.rindex("COPY") == DOCKERFILE.index("COPY trainer/")  # our code is the last layer
 
@@ -106,8 +117,13 @@ def test_entrypoint_execs_the_command_and_starts_no_sshd_unasked():
     script = IMAGES / "entrypoint.sh"
     assert os.access(script, os.X_OK)
     subprocess.run(["bash", "-n", str(script)], check=True)
-    out = subprocess.run([str(script), "echo", "hello from the command"], capture_output=True, text=True,
-                         env={"PATH": os.environ["PATH"]}, timeout=30)
+    out = subprocess.run(
+        [str(script), "echo", "hello from the command"],
+        capture_output=True,
+        text=True,
+        env={"PATH": os.environ["PATH"]},
+        timeout=30,
+    )
     assert out.returncode == 0 and out.stdout == "hello from the command\n"
 
 
@@ -121,8 +137,13 @@ def test_cpu_adam_is_built_for_a_portable_cpu_not_the_builders(tmp_path):
     fake.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
     fake.chmod(0o755)
     argv = ["-O3", "-march=native", "-fopenmp", "-D__AVX512__", "-I/a b", "x.cpp"]
-    out = subprocess.run([str(IMAGES / "portable-cxx.sh"), *argv], capture_output=True, text=True, timeout=30,
-                         env={"PATH": os.environ["PATH"], "GPUCTL_REAL_CXX": str(fake), "GPUCTL_CPU_ARCH": arch})
+    out = subprocess.run(
+        [str(IMAGES / "portable-cxx.sh"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={"PATH": os.environ["PATH"], "GPUCTL_REAL_CXX": str(fake), "GPUCTL_CPU_ARCH": arch},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["-O3", f"-march={arch}", "-fopenmp", "-D__AVX256__", "-I/a b", "x.cpp"]
 
@@ -132,7 +153,11 @@ def test_the_wrapper_really_compiles_without_native_instructions(tmp_path):
         pytest.skip("no g++ here")
     src = tmp_path / "x.cpp"
     src.write_text("int main() { return 0; }\n")
-    out = subprocess.run([str(IMAGES / "portable-cxx.sh"), "-march=native", "-D__AVX512__", "-v", str(src),
-                          "-o", str(tmp_path / "x")], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [str(IMAGES / "portable-cxx.sh"), "-march=native", "-D__AVX512__", "-v", str(src), "-o", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "-march=x86-64-v3" in out.stderr and "-march=native" not in out.stderr

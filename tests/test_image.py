@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from provision.flows import image
 from provision.cli.app import app
 from provision.core.errors import RemoteError
+from provision.flows import image
 from provision.providers.base import SelfTeardown
 from provision.transport.ssh.node import SSHNode
 from tests.dockerd import BASE_IMAGE, laptop_docker, node_docker, rootfs_tar  # noqa: F401
@@ -63,11 +63,13 @@ def write_context(folder: Path, marker: str = "1") -> Path:
     (folder / "marker.txt").write_text(marker)
     (folder / "junk.log").write_text("not shipped")
     (folder / ".dockerignore").write_text("*.log\n")
-    (folder / "Dockerfile").write_text(textwrap.dedent(f"""\
+    (folder / "Dockerfile").write_text(
+        textwrap.dedent(f"""\
         FROM {BASE_IMAGE}
         COPY deepspeed/ /opt/gpuctl/deepspeed/
         COPY marker.txt /opt/gpuctl/marker.txt
-        """))  # few steps: the vfs driver copies the whole rootfs for every one
+        """)
+    )  # few steps: the vfs driver copies the whole rootfs for every one
     return folder
 
 
@@ -97,15 +99,20 @@ def project(folder: Path, sshd: SSHD, env: dict[str, str] | None = None, **docke
     ctx = write_context(folder / "ctx")
     cfg = {
         "name": "dk",
-        "provider": {"kind": "ssh", "hosts": [sshd.host()], "identity_file": str(sshd.client_key),
-                     "runtime": "docker", "image": "gpuctl-test:1", "workdir": str(folder / "node"),
-                     "cpu_ranks": 1},
+        "provider": {
+            "kind": "ssh",
+            "hosts": [sshd.host()],
+            "identity_file": str(sshd.client_key),
+            "runtime": "docker",
+            "image": "gpuctl-test:1",
+            "workdir": str(folder / "node"),
+            "cpu_ranks": 1,
+        },
         "train": {"max_steps": 3, "grad_accum": 1},
         "env": {"GPUCTL_TEST_PLAIN": "visible", **(env or {})},
         "teardown": "after-train",
         # memlock=-1 is refused here (no CAP_SYS_RESOURCE to raise the hard limit)
-        "docker": {"ship": "load", "context": str(ctx), "shm_size": "1g", "ulimits": ["stack=67108864"],
-                   **docker},
+        "docker": {"ship": "load", "context": str(ctx), "shm_size": "1g", "ulimits": ["stack=67108864"], **docker},
     }
     path = folder / "gpuctl.yaml"
     path.write_text(json.dumps(cfg))  # JSON is YAML
@@ -117,13 +124,20 @@ def ok(result) -> str:
     return result.output
 
 
-def test_build_ship_run_in_docker_and_skip_the_second_ship(tmp_path, laptop, node_docker, node_sshd,  # noqa: F811
-                                                          monkeypatch):
+def test_build_ship_run_in_docker_and_skip_the_second_ship(
+    tmp_path,
+    laptop,
+    node_docker,
+    node_sshd,  # noqa: F811
+    monkeypatch,
+):
     from provision.providers.ssh_hosts import SSHBackend
 
     # A secret the way cloud providers hand one over (self-teardown env): it must reach the
     # container without appearing on any command line or in the image.
-    monkeypatch.setattr(SSHBackend, "self_teardown", lambda self, c: SelfTeardown(["true"], {"GPUCTL_TEST_SECRET": SECRET}))
+    monkeypatch.setattr(
+        SSHBackend, "self_teardown", lambda self, c: SelfTeardown(["true"], {"GPUCTL_TEST_SECRET": SECRET})
+    )
     cfg = project(tmp_path, node_sshd)
     out = ok(runner.invoke(app, ["image", "build", "-c", str(cfg)]))
     assert "built gpuctl-test:1" in out
@@ -175,8 +189,8 @@ def wait_for_log(run_id: str, text: str, timeout: float = 60) -> None:
 
 
 def test_failed_and_cancelled_runs_in_containers(tmp_path, laptop, node_sshd, node_docker):  # noqa: F811
-    from provision.flows import job
     from provision.core import state
+    from provision.flows import job
 
     cfg = project(tmp_path, node_sshd, env={"GPUCTL_TEST_EXIT": "3"})
     ok(runner.invoke(app, ["image", "build", "-c", str(cfg)]))
@@ -218,8 +232,15 @@ def test_build_on_the_node_from_a_streamed_context_then_skip(tmp_path, laptop, n
     assert laptop.image_id("gpuctl-built:1") is None  # built there, not here
     run = node_docker.docker("run", "--rm", "--network", "host", "gpuctl-built:1", "cat", "/opt/gpuctl/marker.txt")
     assert run.stdout == b"built-there"
-    assert node_docker.docker("run", "--rm", "--network", "host", "gpuctl-built:1", "ls", "/opt/gpuctl",
-                              ).stdout.split() == [b"deepspeed", b"marker.txt"]  # .dockerignore applied
+    assert node_docker.docker(
+        "run",
+        "--rm",
+        "--network",
+        "host",
+        "gpuctl-built:1",
+        "ls",
+        "/opt/gpuctl",
+    ).stdout.split() == [b"deepspeed", b"marker.txt"]  # .dockerignore applied
     again = image.ship(node, "gpuctl-built:1", "build", cfg=cfg, say=lines.append)
     assert again.action == "skipped" and again.image_id == first.image_id
     (ctx / "marker.txt").write_text("changed")

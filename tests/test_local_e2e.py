@@ -6,7 +6,6 @@ Three CPU ranks under DeepSpeed ZeRO-2 with the optimizer offloaded to CPU, over
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time

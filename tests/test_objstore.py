@@ -12,20 +12,25 @@ from pathlib import Path
 
 import pytest
 
-from trainer.objstore.uploader import BackgroundUploader
-from trainer.objstore.store import CheckpointStore
 from trainer.objstore.backends import StorageNotFound, VerificationError
+from trainer.objstore.store import CheckpointStore
+from trainer.objstore.uploader import BackgroundUploader
 
 try:
-    from tests.s3server import s3_env, s3_server, venv_bin  # noqa: F401 (fixtures)
+    from tests.s3server import s3_env, s3_server, venv_bin
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
     from s3server import s3_env, s3_server, venv_bin  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
 
 # Small parts so multipart code paths run on small files (5 MiB is S3's minimum part).
-S3_TUNING = {"multipart_threshold": 6 << 20, "multipart_chunksize": 5 << 20,
-             "max_attempts": 2, "connect_timeout": 2, "read_timeout": 20}
+S3_TUNING = {
+    "multipart_threshold": 6 << 20,
+    "multipart_chunksize": 5 << 20,
+    "max_attempts": 2,
+    "connect_timeout": 2,
+    "read_timeout": 20,
+}
 
 
 def write_files(root: Path, files: dict[str, bytes]) -> Path:
@@ -39,13 +44,21 @@ def write_files(root: Path, files: dict[str, bytes]) -> Path:
 def node_dirs(tmp: Path, tag: str, seed: int = 0, big: int = 0) -> tuple[Path, Path]:
     """Two simulated nodes' local copies of DeepSpeed save dir ``tag`` (disjoint shards)."""
     rnd = lambda n: os.urandom(n)  # noqa: E731
-    n0 = write_files(tmp / f"node0-{seed}" / tag, {
-        "mp_rank_00_model_states.pt": rnd(3000 + big),
-        "zero_pp_rank_0_mp_rank_00_optim_states.pt": rnd(2000),
-        "zero_pp_rank_1_mp_rank_00_optim_states.pt": rnd(2000)})
-    n1 = write_files(tmp / f"node1-{seed}" / tag, {
-        "zero_pp_rank_2_mp_rank_00_optim_states.pt": rnd(2000),
-        "zero_pp_rank_3_mp_rank_00_optim_states.pt": rnd(2000)})
+    n0 = write_files(
+        tmp / f"node0-{seed}" / tag,
+        {
+            "mp_rank_00_model_states.pt": rnd(3000 + big),
+            "zero_pp_rank_0_mp_rank_00_optim_states.pt": rnd(2000),
+            "zero_pp_rank_1_mp_rank_00_optim_states.pt": rnd(2000),
+        },
+    )
+    n1 = write_files(
+        tmp / f"node1-{seed}" / tag,
+        {
+            "zero_pp_rank_2_mp_rank_00_optim_states.pt": rnd(2000),
+            "zero_pp_rank_3_mp_rank_00_optim_states.pt": rnd(2000),
+        },
+    )
     return n0, n1
 
 
@@ -84,8 +97,7 @@ def make_store(kind, tmp_path, request):
             raw = FileRaw(root)
         else:
             bucket = server.make_bucket()
-            cfg = {"url": f"s3://{bucket}/runs/r1", "keep": keep,
-                   "endpoint_url": server.endpoint, **S3_TUNING}
+            cfg = {"url": f"s3://{bucket}/runs/r1", "keep": keep, "endpoint_url": server.endpoint, **S3_TUNING}
             raw = S3Raw(server.client(), bucket, "runs/r1")
         raw.cfg = cfg  # to open the same store again, e.g. as another node
         return CheckpointStore.from_config(cfg, log=log), raw
@@ -125,15 +137,15 @@ class S3Raw:
 
     def keys(self) -> set[str]:
         resp = self.c.list_objects_v2(Bucket=self.bucket, Prefix=self.prefix + "/")
-        return {o["Key"][len(self.prefix) + 1:] for o in resp.get("Contents", [])}
+        return {o["Key"][len(self.prefix) + 1 :] for o in resp.get("Contents", [])}
 
 
 # --------------------------------------------------------------------------- tests
 def test_import_is_light():
-    code = ("import sys, trainer.objstore; "
-            "print('torch' in sys.modules, 'boto3' in sys.modules, 'botocore' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         timeout=60)
+    code = (
+        "import sys, trainer.objstore; print('torch' in sys.modules, 'boto3' in sys.modules, 'botocore' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.split() == ["False", "False", "False"]
 
 
@@ -149,8 +161,9 @@ def test_round_trip_two_nodes(make_store, tmp_path):
     assert store.latest() is None
 
     result = {}
-    publisher = threading.Thread(target=lambda: result.update(
-        ok=store.publish("step10", 10, world_size=4, num_nodes=2, timeout=30)))
+    publisher = threading.Thread(
+        target=lambda: result.update(ok=store.publish("step10", 10, world_size=4, num_nodes=2, timeout=30))
+    )
     publisher.start()
     time.sleep(0.5)
     assert publisher.is_alive(), "publish must wait for node 1"
@@ -165,8 +178,7 @@ def test_round_trip_two_nodes(make_store, tmp_path):
     expected = {p.name: p.read_bytes() for d in (n0, n1) for p in d.iterdir()}
     assert {f.path for f in latest.files} == set(expected)
     assert latest.size == sum(len(b) for b in expected.values())
-    assert {"step10/manifest.json", "step10/_nodes/0.json", "step10/_nodes/1.json",
-            "latest"} <= raw.keys()
+    assert {"step10/manifest.json", "step10/_nodes/0.json", "step10/_nodes/1.json", "latest"} <= raw.keys()
 
     dl = []
     got = store.download(None, tmp_path / "dl", progress=lambda d, t: dl.append((d, t)))
@@ -194,8 +206,7 @@ def test_latest_only_moves_forward_and_list_is_newest_first(make_store, tmp_path
     publish_two_nodes(store, tmp_path, "step10", 10)  # published late: latest stays step20
     node_dirs(tmp_path, "step30", seed=30)
     store.upload_shards(tmp_path / "node0-30" / "step30", "step30", 0, step=30)
-    assert [(i.tag, i.complete) for i in store.list()] == [
-        ("step30", False), ("step20", True), ("step10", True)]
+    assert [(i.tag, i.complete) for i in store.list()] == [("step30", False), ("step20", True), ("step10", True)]
     assert store.latest().tag == "step20"
 
 
@@ -234,8 +245,7 @@ def test_download_falls_back_on_bad_shard(make_store, tmp_path, damage):
     assert got.tag == "step10"
     assert (tmp_path / "dl" / "latest").read_text() == "step10"
     assert not (tmp_path / "dl" / "step20").exists()
-    assert sorted(p.name for p in (tmp_path / "dl" / "step10").iterdir()) == sorted(
-        f.path for f in got.files)
+    assert sorted(p.name for p in (tmp_path / "dl" / "step10").iterdir()) == sorted(f.path for f in got.files)
     msg = lines.text()
     assert "step20" in msg and "falling back" in msg and "step10" in msg
     assert "zero_pp_rank_3" in msg
@@ -262,8 +272,9 @@ def test_download_explicit_tag_and_resume(make_store, tmp_path):
     ticks = []
     store.download("step10", dest, progress=lambda d, t: ticks.append((d, t)))
     assert ticks[-1] == (0, 0)
-    assert (dest / "step10" / "mp_rank_00_model_states.pt").read_bytes() == \
-        (n0 / "mp_rank_00_model_states.pt").read_bytes()
+    assert (dest / "step10" / "mp_rank_00_model_states.pt").read_bytes() == (
+        n0 / "mp_rank_00_model_states.pt"
+    ).read_bytes()
 
 
 def test_changed_complete_checkpoint_is_unpublished_before_reupload(make_store, tmp_path):
@@ -310,9 +321,9 @@ def test_background_uploaders_two_nodes(make_store, tmp_path):
 def s3_store(s3_server, s3_env):
     def make(**extra):
         bucket = s3_server.make_bucket()
-        cfg = {"url": f"s3://{bucket}/ckpt", "endpoint_url": s3_server.endpoint, "keep": 3,
-               **S3_TUNING, **extra}
+        cfg = {"url": f"s3://{bucket}/ckpt", "endpoint_url": s3_server.endpoint, "keep": 3, **S3_TUNING, **extra}
         return CheckpointStore.from_config(cfg), bucket
+
     return make
 
 
@@ -382,12 +393,15 @@ def test_listing_visible_to_other_s3_clients(s3_store, s3_server, tmp_path, tool
     store, bucket = s3_store()
     publish_two_nodes(store, tmp_path, "step10", 10)
     if tool == "aws":
-        cmd = [exe, "--endpoint-url", s3_server.endpoint, "s3", "ls", "--recursive",
-               f"s3://{bucket}/ckpt/"]
+        cmd = [exe, "--endpoint-url", s3_server.endpoint, "s3", "ls", "--recursive", f"s3://{bucket}/ckpt/"]
     else:
         cmd = [exe, "--endpoint-url", s3_server.endpoint, "ls", f"s3://{bucket}/ckpt/*"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=os.environ)
     assert out.returncode == 0, out.stderr
-    for name in ("ckpt/latest", "step10/manifest.json", "step10/_nodes/1.json",
-                 "step10/zero_pp_rank_3_mp_rank_00_optim_states.pt"):
+    for name in (
+        "ckpt/latest",
+        "step10/manifest.json",
+        "step10/_nodes/1.json",
+        "step10/zero_pp_rank_3_mp_rank_00_optim_states.pt",
+    ):
         assert name.split("ckpt/")[-1] in out.stdout, (name, out.stdout)

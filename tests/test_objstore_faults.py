@@ -13,19 +13,25 @@ from pathlib import Path
 
 import pytest
 
-from trainer.objstore.uploader import BackgroundUploader
-from trainer.objstore.store import CheckpointStore
 from trainer.objstore.backends import StorageAuthError, StorageError, StorageUnavailable, UploadError
+from trainer.objstore.store import CheckpointStore
+from trainer.objstore.uploader import BackgroundUploader
 
 try:
-    from tests.s3server import LatestWatcher, MotoS3, free_port, s3_env  # noqa: F401 (fixture)
+    from tests.s3server import LatestWatcher, MotoS3, free_port, s3_env
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
     from s3server import LatestWatcher, MotoS3, free_port, s3_env  # noqa: F401
 
 pytestmark = pytest.mark.timeout(180)
 
-FAST_FAIL = {"max_attempts": 2, "connect_timeout": 1, "read_timeout": 10,
-             "multipart_threshold": 6 << 20, "multipart_chunksize": 5 << 20, "max_concurrency": 2}
+FAST_FAIL = {
+    "max_attempts": 2,
+    "connect_timeout": 1,
+    "read_timeout": 10,
+    "multipart_threshold": 6 << 20,
+    "multipart_chunksize": 5 << 20,
+    "max_concurrency": 2,
+}
 
 
 class Lines(list):
@@ -51,8 +57,17 @@ def proxied_server(s3_env, tmp_path):
 
 
 def _uploader(store, log, **kw):
-    return BackgroundUploader(store, node_rank=0, num_nodes=1, log=log, retry_deadline=90,
-                              backoff_initial=0.5, backoff_max=2.0, publish_timeout=30, **kw)
+    return BackgroundUploader(
+        store,
+        node_rank=0,
+        num_nodes=1,
+        log=log,
+        retry_deadline=90,
+        backoff_initial=0.5,
+        backoff_max=2.0,
+        publish_timeout=30,
+        **kw,
+    )
 
 
 def _kill_after_first_part(store, action) -> threading.Event:
@@ -76,8 +91,9 @@ def test_server_down_mid_upload_then_back(proxied_server, tmp_path, mode):
     server = proxied_server
     bucket = server.make_bucket()
     lines = Lines()
-    store = CheckpointStore.from_config({"url": f"s3://{bucket}/run", "keep": 3,
-                                         "endpoint_url": server.endpoint, **FAST_FAIL})
+    store = CheckpointStore.from_config(
+        {"url": f"s3://{bucket}/run", "keep": 3, "endpoint_url": server.endpoint, **FAST_FAIL}
+    )
     up = _uploader(store, lines)
     step10 = make_ckpt(tmp_path / "step10", big_mb=1)
     up.submit(step10, "step10", 10, world_size=1)
@@ -108,8 +124,9 @@ def test_server_down_mid_upload_then_back(proxied_server, tmp_path, mode):
     assert latest.tag == "step20" and latest.complete
     got = store.download(None, tmp_path / "dl")
     assert got.tag == "step20"
-    assert (tmp_path / "dl/step20/mp_rank_00_model_states.pt").read_bytes() == \
-        (step20 / "mp_rank_00_model_states.pt").read_bytes()
+    assert (tmp_path / "dl/step20/mp_rank_00_model_states.pt").read_bytes() == (
+        step20 / "mp_rank_00_model_states.pt"
+    ).read_bytes()
     if mode == "kill":
         assert [i.tag for i in store.list()] == ["step20"]  # step10 died with the old server
     else:
@@ -121,8 +138,9 @@ def test_uploader_gives_up_after_deadline_and_reports(s3_env, tmp_path):
     """The deadline counts from submission: three tags queued behind an outage all fail
     within ~retry_deadline, and close() (the trainer's final sync) raises."""
     port = free_port()  # nothing listens here
-    store = CheckpointStore.from_config({"url": "s3://bkt/run", "endpoint_url": f"http://127.0.0.1:{port}",
-                                         "retry_deadline": 3, **FAST_FAIL})
+    store = CheckpointStore.from_config(
+        {"url": "s3://bkt/run", "endpoint_url": f"http://127.0.0.1:{port}", "retry_deadline": 3, **FAST_FAIL}
+    )
     lines = Lines()
     up = BackgroundUploader(store, 0, 1, log=lines, backoff_initial=0.3, backoff_max=1)
     assert up.retry_deadline == 3  # from the storage config
@@ -143,8 +161,9 @@ def test_uploader_gives_up_after_deadline_and_reports(s3_env, tmp_path):
 
 def test_missing_bucket_fails_fast(s3_env, tmp_path):
     with MotoS3() as server:
-        store = CheckpointStore.from_config({"url": "s3://no-such-bucket/run",
-                                             "endpoint_url": server.endpoint, **FAST_FAIL})
+        store = CheckpointStore.from_config(
+            {"url": "s3://no-such-bucket/run", "endpoint_url": server.endpoint, **FAST_FAIL}
+        )
         up = BackgroundUploader(store, 0, 1, log=Lines(), retry_deadline=60)
         up.submit(make_ckpt(tmp_path / "step1", 0), "step1", 1, world_size=1)
         t0 = time.monotonic()
@@ -165,8 +184,9 @@ def test_access_denied_is_clear_and_secret_free(s3_env, tmp_path, caplog, capsys
     caplog.set_level(logging.DEBUG)  # botocore's own debug logging included
     lines = Lines()
     with MotoS3(auth=True, log_dir=tmp_path) as server:  # moto checks keys: ours is unknown
-        store = CheckpointStore.from_config({"url": "s3://bkt/run", "endpoint_url": server.endpoint,
-                                             **FAST_FAIL}, log=lines)
+        store = CheckpointStore.from_config(
+            {"url": "s3://bkt/run", "endpoint_url": server.endpoint, **FAST_FAIL}, log=lines
+        )
         with pytest.raises(StorageAuthError) as info:
             store.list()
         msg = str(info.value)
@@ -177,8 +197,16 @@ def test_access_denied_is_clear_and_secret_free(s3_env, tmp_path, caplog, capsys
         with pytest.raises(UploadError) as up_info:
             up.close(timeout=30)
     out = capsys.readouterr()
-    for text in (msg, _all_text(info.value), str(up_info.value), _all_text(up_info.value),
-                 lines.text(), caplog.text, out.out, out.err):
+    for text in (
+        msg,
+        _all_text(info.value),
+        str(up_info.value),
+        _all_text(up_info.value),
+        lines.text(),
+        caplog.text,
+        out.out,
+        out.err,
+    ):
         assert SECRET not in text
 
 
@@ -186,8 +214,9 @@ def test_wrong_endpoint_is_clear_and_secret_free(s3_env, caplog):
     s3_env.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
     caplog.set_level(logging.DEBUG)
     port = free_port()
-    store = CheckpointStore.from_config({"url": "s3://bkt/run", "endpoint_url": f"http://127.0.0.1:{port}",
-                                         **FAST_FAIL})
+    store = CheckpointStore.from_config(
+        {"url": "s3://bkt/run", "endpoint_url": f"http://127.0.0.1:{port}", **FAST_FAIL}
+    )
     t0 = time.monotonic()
     with pytest.raises(StorageUnavailable) as info:
         store.latest()
@@ -199,8 +228,9 @@ def test_wrong_endpoint_is_clear_and_secret_free(s3_env, caplog):
 
 
 def test_unknown_profile_is_clear(s3_env):
-    store = CheckpointStore.from_config({"url": "s3://bkt/run", "profile": "no-such-profile",
-                                         "endpoint_url": "http://127.0.0.1:9"})
+    store = CheckpointStore.from_config(
+        {"url": "s3://bkt/run", "profile": "no-such-profile", "endpoint_url": "http://127.0.0.1:9"}
+    )
     with pytest.raises(StorageAuthError, match="profile 'no-such-profile' not found"):
         store.list()
 

@@ -12,11 +12,30 @@ from pathlib import Path
 import pytest
 
 from provision.cli.views import plan_table
-from provision.estimate.plan import KNOWN_MODELS, ModelDims, PlanError, PlanInput, find_gpu, plan, plan_to_json, zero2_model_states_mem, zero3_model_states_mem
+from provision.estimate.plan import (
+    KNOWN_MODELS,
+    ModelDims,
+    PlanError,
+    PlanInput,
+    find_gpu,
+    plan,
+    plan_to_json,
+    zero2_model_states_mem,
+    zero3_model_states_mem,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
-DEEPSEEK = dict(model="deepseek-7b", gpus_per_node=3, nodes=1, micro_batch=1, seq_len=2048,
-                gradient_checkpointing=True, precision="fp16", gpu="RTX 4090", gpu_mem_gb=24)
+DEEPSEEK = dict(
+    model="deepseek-7b",
+    gpus_per_node=3,
+    nodes=1,
+    micro_batch=1,
+    seq_len=2048,
+    gradient_checkpointing=True,
+    precision="fp16",
+    gpu="RTX 4090",
+    gpu_mem_gb=24,
+)
 PARAM_COUNTS = [1_000_003, 124_439_808, 1_300_000_000, 6_910_365_696, 70_553_706_496]
 GPU_LAYOUTS = [(1, 1), (2, 1), (3, 1), (4, 2), (8, 3)]
 
@@ -38,8 +57,9 @@ def test_zero2_matches_deepspeed(ds_estimators, params, gpus, nodes, offload, fa
     assert zero2_model_states_mem(params, gpus, nodes, offload, factor) == ds
 
 
-@pytest.mark.parametrize("params,largest", [(1_000_003, 65_536), (6_910_365_696, 419_430_400),
-                                            (70_553_706_496, 1_050_673_152)])
+@pytest.mark.parametrize(
+    "params,largest", [(1_000_003, 65_536), (6_910_365_696, 419_430_400), (70_553_706_496, 1_050_673_152)]
+)
 @pytest.mark.parametrize("gpus,nodes", GPU_LAYOUTS)
 @pytest.mark.parametrize("offload,offload_params", [(True, True), (True, False), (False, False)])
 @pytest.mark.parametrize("zero_init", [True, False])
@@ -48,20 +68,27 @@ def test_zero3_matches_deepspeed(ds_estimators, params, largest, gpus, nodes, of
     assert zero3_model_states_mem(params, largest, gpus, nodes, offload, offload_params, zero_init, 1.5) == ds
 
 
-@pytest.mark.parametrize("stage,offload,offload_param", [(2, "cpu", "none"), (2, "none", "none"),
-                                                         (3, "cpu", "cpu"), (3, "cpu", "none"), (3, "none", "none")])
+@pytest.mark.parametrize(
+    "stage,offload,offload_param",
+    [(2, "cpu", "none"), (2, "none", "none"), (3, "cpu", "cpu"), (3, "cpu", "none"), (3, "none", "none")],
+)
 @pytest.mark.parametrize("gpus,nodes", [(1, 1), (3, 1), (4, 2)])
 def test_plan_model_states_are_deepspeeds(ds_estimators, stage, offload, offload_param, gpus, nodes):
     """plan()'s GPU model states and host RAM are exactly DeepSpeed's figures, and its breakdown sums to them."""
-    inp = PlanInput(**{**DEEPSEEK, "gpus_per_node": gpus, "nodes": nodes}, zero_stage=stage,
-                    offload_optimizer=offload, offload_param=offload_param)
+    inp = PlanInput(
+        **{**DEEPSEEK, "gpus_per_node": gpus, "nodes": nodes},
+        zero_stage=stage,
+        offload_optimizer=offload,
+        offload_param=offload_param,
+    )
     r = plan(inp)
     p, off = r.params, offload == "cpu"
     if stage == 2:
         cpu, gpu = ds_estimators[0](p, gpus, nodes, off, 1.5)
     else:
-        cpu, gpu, _ = ds_estimators[1](p, KNOWN_MODELS["deepseek-7b"].largest_layer_params, gpus, nodes, off,
-                                       offload_param == "cpu", True, 1.5)
+        cpu, gpu, _ = ds_estimators[1](
+            p, KNOWN_MODELS["deepseek-7b"].largest_layer_params, gpus, nodes, off, offload_param == "cpu", True, 1.5
+        )
     assert r.memory.model_states_bytes == gpu
     assert r.host_ram_gb == cpu / 1e9
     parts = (r.memory.weights_gb + r.memory.grads_gb + r.memory.optimizer_gb) * 1e9
@@ -81,6 +108,7 @@ def test_tiny_matches_the_trainers_tiny_model():
     model_mod = pytest.importorskip("trainer.model")
     tokenizer_mod = pytest.importorskip("trainer.tokenizer")
     import transformers
+
     cfg = transformers.LlamaConfig(vocab_size=len(tokenizer_mod.byte_tokenizer()), **model_mod.TINY_SHAPE)
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(cfg)
@@ -89,8 +117,15 @@ def test_tiny_matches_the_trainers_tiny_model():
 
 def test_peaks_agree_with_the_trainers_mfu_table():
     metrics = pytest.importorskip("trainer.metrics")
-    for name in ("NVIDIA GeForce RTX 4090", "NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe",
-                 "NVIDIA A100-SXM4-80GB", "NVIDIA A10G", "NVIDIA L4"):
+    for name in (
+        "NVIDIA GeForce RTX 4090",
+        "NVIDIA H200",
+        "NVIDIA H100 80GB HBM3",
+        "NVIDIA H100 PCIe",
+        "NVIDIA A100-SXM4-80GB",
+        "NVIDIA A10G",
+        "NVIDIA L4",
+    ):
         assert find_gpu(name).peak_tflops_16bit == metrics.peak_tflops(name), name
 
 
@@ -98,8 +133,15 @@ def test_param_count_matches_transformers():
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
     dims = ModelDims("gqa", layers=2, hidden=256, heads=8, kv_heads=2, intermediate=688, vocab=1000)
-    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=8,
-                                   num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        tie_word_embeddings=False,
+    )
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(cfg)
     assert dims.params == sum(t.numel() for t in model.parameters())
@@ -158,8 +200,20 @@ def test_nothing_fits_says_so():
 
 def test_json_keys_and_roundtrip():
     d = plan_to_json(plan(PlanInput(**DEEPSEEK, offload_optimizer="none")))
-    for key in ("gpu_gb_per_rank", "host_ram_gb", "fits", "params", "gpu_breakdown_gb", "tokens_per_s", "why",
-                "closest", "closest_changes", "model_states_gpu_bytes", "peak_tflops", "peak_source"):
+    for key in (
+        "gpu_gb_per_rank",
+        "host_ram_gb",
+        "fits",
+        "params",
+        "gpu_breakdown_gb",
+        "tokens_per_s",
+        "why",
+        "closest",
+        "closest_changes",
+        "model_states_gpu_bytes",
+        "peak_tflops",
+        "peak_source",
+    ):
         assert key in d
     assert d["fits"] is False and d["closest"]["fits"] is True
     assert {"weights", "grads", "optimizer", "activations", "buffers", "cuda_context"} <= set(d["gpu_breakdown_gb"])
@@ -170,6 +224,7 @@ def test_json_keys_and_roundtrip():
 
 def test_render_table_has_breakdown():
     from rich.console import Console
+
     console = Console(record=True, width=140)
     console.print(plan_table(plan(PlanInput(**DEEPSEEK, offload_optimizer="cpu"))))
     text = console.export_text()
@@ -187,9 +242,18 @@ def test_gpu_table():
         find_gpu("Voodoo 2")
 
 
-@pytest.mark.parametrize("bad", [dict(zero_stage=4), dict(offload_optimizer="nvme"), dict(micro_batch=0),
-                                 dict(zero_stage=0, offload_optimizer="cpu"), dict(model="gpt-5"),
-                                 dict(zero_stage=2, offload_param="cpu"), dict(precision="int8")])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(zero_stage=4),
+        dict(offload_optimizer="nvme"),
+        dict(micro_batch=0),
+        dict(zero_stage=0, offload_optimizer="cpu"),
+        dict(model="gpt-5"),
+        dict(zero_stage=2, offload_param="cpu"),
+        dict(precision="int8"),
+    ],
+)
 def test_invalid_inputs_raise_plan_error(bad):
     with pytest.raises(PlanError):
         PlanInput(**{"offload_optimizer": "cpu", **bad})
@@ -197,9 +261,13 @@ def test_invalid_inputs_raise_plan_error(bad):
 
 def test_all_stages_and_precisions_are_monotonic():
     """More partitioning or offload never needs more GPU memory."""
-    gb = {(st, off): plan(PlanInput(**{**DEEPSEEK, "precision": "bf16"}, zero_stage=st,
-                                    offload_optimizer=off)).memory.model_states_bytes
-          for st in (1, 2, 3) for off in ("none", "cpu")}
+    gb = {
+        (st, off): plan(
+            PlanInput(**{**DEEPSEEK, "precision": "bf16"}, zero_stage=st, offload_optimizer=off)
+        ).memory.model_states_bytes
+        for st in (1, 2, 3)
+        for off in ("none", "cpu")
+    }
     assert gb[(1, "none")] > gb[(2, "none")] > gb[(3, "none")]
     assert all(gb[(st, "cpu")] < gb[(st, "none")] for st in (1, 2, 3))
     fp32 = plan(PlanInput(**{**DEEPSEEK, "precision": "fp32"}, offload_optimizer="cpu"))
@@ -217,17 +285,35 @@ def test_gpu_check_fails_fast_without_cuda():
     """benchmarks/gpu_check.py on a machine without CUDA: one clear line, non-zero exit, no traceback."""
     pytest.importorskip("torch")
     import torch
+
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--steps", "3"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--steps", "3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "no CUDA device" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_gpu_check_plan_only_needs_no_torch():
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--plan-only",
-                           "--gpu", "NVIDIA H200", "--layers", "8"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gpu_check.py"),
+            "--plan-only",
+            "--gpu",
+            "NVIDIA H200",
+            "--layers",
+            "8",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "plan:" in proc.stdout and "GB" in proc.stdout

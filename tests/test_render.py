@@ -55,8 +55,12 @@ def free_port() -> int:
 
 
 def deepspeed_reads(ds_config: Path, world: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", DS_CHECK, str(ds_config), str(world), str(free_port())],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", DS_CHECK, str(ds_config), str(world), str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -71,8 +75,15 @@ def test_seed_setup_renders_what_deepspeed_accepts(project):
     assert dict(fetch_hostfile(str(bundle / "hostfile"))) == {"localhost": 3}
     assert (bundle / "hostfile").read_text() == "localhost slots=3\n"
     parsed = deepspeed_reads(bundle / "ds_config.json", 3)
-    assert parsed == {"train_batch_size": 12, "micro": 1, "gas": 4, "stage": 2, "offload": "cpu",
-                      "fp16": True, "bf16": False}
+    assert parsed == {
+        "train_batch_size": 12,
+        "micro": 1,
+        "gas": 4,
+        "stage": 2,
+        "offload": "cpu",
+        "fp16": True,
+        "bf16": False,
+    }
     run = json.loads((bundle / "run.json").read_text())
     assert run["train"]["lr"] == 5e-5 and run["num_nodes"] == 1
     assert (bundle / "lib" / "trainer" / "__init__.py").is_file()
@@ -83,8 +94,9 @@ def test_seed_setup_renders_what_deepspeed_accepts(project):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_cpu_bundle_without_offload(tmp_path, precision):
-    cfg = GpuctlConfig.model_validate({"train": {"precision": precision, "offload_optimizer": "none",
-                                                 "zero_stage": 1, "grad_accum": 2}})
+    cfg = GpuctlConfig.model_validate(
+        {"train": {"precision": precision, "offload_optimizer": "none", "zero_stage": 1, "grad_accum": 2}}
+    )
     spec = BundleSpec(run_id="r", run_dir=str(tmp_path), nodes=[BundleNode("localhost", 2)], python="python3")
     render_bundle(cfg, spec, tmp_path)
     ds = json.loads((tmp_path / "ds_config.json").read_text())
@@ -97,9 +109,16 @@ def test_cpu_bundle_without_offload(tmp_path, precision):
 
 def test_multi_node_hostfile_and_launcher(tmp_path):
     cfg = GpuctlConfig.model_validate({"env": {"NCCL_DEBUG": "INFO"}})
-    spec = BundleSpec(run_id="r", run_dir=str(tmp_path), python="python3", accelerator="cuda",
-                      gpu_name="NVIDIA GeForce RTX 4090", master_addr="10.0.0.1", ssh_port=2222,
-                      nodes=[BundleNode("10.0.0.1", 3), BundleNode("10.0.0.2", 3)])
+    spec = BundleSpec(
+        run_id="r",
+        run_dir=str(tmp_path),
+        python="python3",
+        accelerator="cuda",
+        gpu_name="NVIDIA GeForce RTX 4090",
+        master_addr="10.0.0.1",
+        ssh_port=2222,
+        nodes=[BundleNode("10.0.0.1", 3), BundleNode("10.0.0.2", 3)],
+    )
     render_bundle(cfg, spec, tmp_path)
     from deepspeed.launcher.runner import fetch_hostfile
 
@@ -112,8 +131,14 @@ def test_multi_node_hostfile_and_launcher(tmp_path):
 
 def test_user_overrides_rtx40_nccl_defaults(tmp_path):
     cfg = GpuctlConfig.model_validate({"env": {"NCCL_P2P_DISABLE": "0"}})
-    spec = BundleSpec(run_id="r", run_dir=str(tmp_path), python="python3", accelerator="cuda",
-                      gpu_name="NVIDIA GeForce RTX 4090", nodes=[BundleNode("a", 3), BundleNode("b", 3)])
+    spec = BundleSpec(
+        run_id="r",
+        run_dir=str(tmp_path),
+        python="python3",
+        accelerator="cuda",
+        gpu_name="NVIDIA GeForce RTX 4090",
+        nodes=[BundleNode("a", 3), BundleNode("b", 3)],
+    )
     render_bundle(cfg, spec, tmp_path)
     assert "NCCL_P2P_DISABLE=0" in (tmp_path / ".deepspeed_env").read_text().splitlines()
 
@@ -125,8 +150,13 @@ NASTY = ["a b", "x;rm -rf /tmp/nope", "$(touch /tmp/gpuctl-pwned)", "it's", 'say
 def test_shell_values_arrive_verbatim(tmp_path, value):
     run_dir = tmp_path / f"run {value[:3]}"
     cfg = GpuctlConfig.model_validate({"env": {"GPUCTL_PROBE": value}})
-    spec = BundleSpec(run_id="r", run_dir=str(run_dir), nodes=[BundleNode("localhost", 1)],
-                      python="python3", setup=f"printf %s {shlex.quote(value)} > setup.out")
+    spec = BundleSpec(
+        run_id="r",
+        run_dir=str(run_dir),
+        nodes=[BundleNode("localhost", 1)],
+        python="python3",
+        setup=f"printf %s {shlex.quote(value)} > setup.out",
+    )
     render_bundle(cfg, spec, run_dir)
     launch = (run_dir / "launch.sh").read_text()
     # Run only the preamble: cd, exports, setup; stop before the launcher.
@@ -141,7 +171,9 @@ def test_shell_values_arrive_verbatim(tmp_path, value):
 def test_template_override_beside_config(project):
     (project / "gpuctl.yaml").write_text("train: {max_steps: 5}\n")
     (project / "templates").mkdir()
-    (project / "templates" / "hostfile.j2").write_text("{% for n in nodes %}{{ n.host }} slots={{ n.slots }} # mine\n{% endfor %}")
+    (project / "templates" / "hostfile.j2").write_text(
+        "{% for n in nodes %}{{ n.host }} slots={{ n.slots }} # mine\n{% endfor %}"
+    )
     assert runner.invoke(app, ["render", "-o", "b"]).exit_code == 0
     assert (project / "b" / "hostfile").read_text() == "localhost slots=3 # mine\n"
 

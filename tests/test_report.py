@@ -7,18 +7,40 @@ from pathlib import Path
 
 import pytest
 
-from provision.estimate.report import ReportError, RunReportInput, default_skip, load_run_metrics, report_markdown, report_png, run_stats
+from provision.estimate.report import (
+    ReportError,
+    RunReportInput,
+    default_skip,
+    load_run_metrics,
+    report_markdown,
+    report_png,
+    run_stats,
+)
 
 
-def write_run(run_dir: Path, tokens_per_s: list[float], *, step_time_s: list[float] | None = None,
-              peak_mem_gb: float | None = None, mfu: float | None = None, summary: dict | None = None,
-              tokens_per_step: int = 24_576) -> Path:
+def write_run(
+    run_dir: Path,
+    tokens_per_s: list[float],
+    *,
+    step_time_s: list[float] | None = None,
+    peak_mem_gb: float | None = None,
+    mfu: float | None = None,
+    summary: dict | None = None,
+    tokens_per_step: int = 24_576,
+) -> Path:
     run_dir.mkdir(parents=True)
     lines = []
     for i, tps in enumerate(tokens_per_s):
         dt = step_time_s[i] if step_time_s else tokens_per_step / tps
-        rec = {"step": i + 1, "loss": 10.0 / (i + 1), "lr": 1e-3, "tokens": tokens_per_step, "tokens_per_s": tps,
-               "step_time_s": dt, "time": 1_700_000_000 + i}
+        rec = {
+            "step": i + 1,
+            "loss": 10.0 / (i + 1),
+            "lr": 1e-3,
+            "tokens": tokens_per_step,
+            "tokens_per_s": tps,
+            "step_time_s": dt,
+            "time": 1_700_000_000 + i,
+        }
         if peak_mem_gb is not None:
             rec["peak_mem_gb"] = peak_mem_gb + 0.01 * i
         if mfu is not None:
@@ -31,8 +53,14 @@ def write_run(run_dir: Path, tokens_per_s: list[float], *, step_time_s: list[flo
 
 
 def record(run_dir: Path, world: int, gpus: int | None = None, **kw) -> RunReportInput:
-    return RunReportInput(metrics=load_run_metrics(run_dir), world_size=world, gpus=world if gpus is None else gpus,
-                          micro_batch=1, grad_accum=4, **kw)
+    return RunReportInput(
+        metrics=load_run_metrics(run_dir),
+        world_size=world,
+        gpus=world if gpus is None else gpus,
+        micro_batch=1,
+        grad_accum=4,
+        **kw,
+    )
 
 
 def table_rows(md: str) -> list[list[str]]:
@@ -41,8 +69,18 @@ def table_rows(md: str) -> list[list[str]]:
 
 
 def test_load_metrics_and_summary(tmp_path):
-    run = write_run(tmp_path / "r1", [100.0] * 5, summary={"state": "succeeded", "steps": 5, "final_loss": 2.0,
-                                                          "tokens_per_s": 100.0, "world_size": 1, "extra": 1})
+    run = write_run(
+        tmp_path / "r1",
+        [100.0] * 5,
+        summary={
+            "state": "succeeded",
+            "steps": 5,
+            "final_loss": 2.0,
+            "tokens_per_s": 100.0,
+            "world_size": 1,
+            "extra": 1,
+        },
+    )
     m = load_run_metrics(run)
     assert [p.step for p in m.points] == [1, 2, 3, 4, 5]
     assert m.summary.state == "succeeded" and m.summary.world_size == 1
@@ -61,8 +99,9 @@ def test_partial_last_line_and_resumed_steps(tmp_path):
 def test_errors_are_clear(tmp_path):
     with pytest.raises(ReportError, match="no metrics yet"):
         load_run_metrics(tmp_path)
-    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "loss": 1, "tokens_per_s": 1, '
-                                            '"step_time_s": 1}\n')
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 1}\n{"step": 2, "loss": 1, "tokens_per_s": 1, "step_time_s": 1}\n'
+    )
     with pytest.raises(ReportError, match=r"metrics.jsonl:1: missing loss, tokens_per_s, step_time_s"):
         load_run_metrics(tmp_path)
 
@@ -88,17 +127,29 @@ def test_steady_state_is_time_weighted(tmp_path):
 
 
 def test_markdown_table_and_scaling_efficiency(tmp_path):
-    one = record(write_run(tmp_path / "gpu1", [10.0] + [850.0] * 9, peak_mem_gb=22.0), world=1,
-                 train_batch_size=4)
+    one = record(write_run(tmp_path / "gpu1", [10.0] + [850.0] * 9, peak_mem_gb=22.0), world=1, train_batch_size=4)
     three = record(write_run(tmp_path / "gpu3", [30.0] + [2400.0] * 9, peak_mem_gb=18.0), world=3)
     md = report_markdown([one, three])
     rows = table_rows(md)
-    assert md.splitlines()[0] == ("| Run | Mode | Batch size | Tokens/s | Memory per GPU | Scaling efficiency "
-                                  "| Final loss |")
-    assert rows[0][:6] == ["gpu1", "1 GPU (still running or ended without summary.json)", "4", "850", "22.1 GB",
-                           "baseline"]
-    assert rows[1][:6] == ["gpu3", "3 GPU DP (still running or ended without summary.json)", "12", "2,400",
-                           "18.1 GB", f"{2400 / (3 * 850):.0%}"]
+    assert md.splitlines()[0] == (
+        "| Run | Mode | Batch size | Tokens/s | Memory per GPU | Scaling efficiency | Final loss |"
+    )
+    assert rows[0][:6] == [
+        "gpu1",
+        "1 GPU (still running or ended without summary.json)",
+        "4",
+        "850",
+        "22.1 GB",
+        "baseline",
+    ]
+    assert rows[1][:6] == [
+        "gpu3",
+        "3 GPU DP (still running or ended without summary.json)",
+        "12",
+        "2,400",
+        "18.1 GB",
+        f"{2400 / (3 * 850):.0%}",
+    ]
     assert rows[1][5] == "94%"
     assert "first 1 skipped" in md
 
@@ -106,8 +157,9 @@ def test_markdown_table_and_scaling_efficiency(tmp_path):
 def test_explicit_baseline_cpu_runs_and_mfu(tmp_path):
     done = {"state": "succeeded"}
     base = record(write_run(tmp_path / "cpu1", [5.0] + [100.0] * 9, summary=done), world=1, gpus=0)
-    cpu3 = record(write_run(tmp_path / "cpu3", [5.0] + [240.0] * 9, mfu=0.31, summary={"state": "failed"}),
-                  world=3, gpus=0)
+    cpu3 = record(
+        write_run(tmp_path / "cpu3", [5.0] + [240.0] * 9, mfu=0.31, summary={"state": "failed"}), world=3, gpus=0
+    )
     md = report_markdown([cpu3], baseline=base)
     row = table_rows(md)[0]
     assert row[1] == "3 CPU ranks (failed)" and row[3] == "240"
@@ -131,6 +183,7 @@ def test_png_two_panels_expected_size(tmp_path):
     assert (width, height) == (1200, 450)
     small = report_png([one], tmp_path / "small.png", size_in=(6, 3), dpi=50)
     from PIL import Image
+
     with Image.open(small) as img:
         assert img.size == (300, 150)
 
@@ -138,6 +191,9 @@ def test_png_two_panels_expected_size(tmp_path):
 def test_report_module_imports_no_heavy_deps():
     import subprocess
     import sys
-    code = ("import sys, provision.estimate.report; bad = {'torch', 'deepspeed', 'transformers', 'matplotlib'} & "
-            "set(sys.modules); assert not bad, bad")
+
+    code = (
+        "import sys, provision.estimate.report; bad = {'torch', 'deepspeed', 'transformers', 'matplotlib'} & "
+        "set(sys.modules); assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -8,21 +8,29 @@ from pathlib import Path
 
 import pytest
 
-from provision.flows import docker as runtime
-from provision.flows import image, job
-from provision.providers.base import resolve_runtime
 from provision.core.config import GpuctlConfig
 from provision.core.errors import ConfigError
-from provision.transport.remote import CommandResult, Node
 from provision.core.state import ClusterRecord, NodeRecord
+from provision.flows import image, job
+from provision.providers.base import resolve_runtime
+from provision.transport.remote import CommandResult, Node
 
 SECRET = "s3cr3t/Value+with$(chars)"
 REPO = Path(__file__).resolve().parents[1]
 
 
 def cluster(accelerator: str = "cuda", nodes: int = 1, gpu: str | None = "NVIDIA GeForce RTX 4090") -> ClusterRecord:
-    recs = [NodeRecord(host=f"10.0.0.{i + 1}", address=f"10.0.0.{i + 1}", slots=3, accelerator=accelerator,
-                       gpu_name=gpu, workdir="/data/gpuctl") for i in range(nodes)]
+    recs = [
+        NodeRecord(
+            host=f"10.0.0.{i + 1}",
+            address=f"10.0.0.{i + 1}",
+            slots=3,
+            accelerator=accelerator,
+            gpu_name=gpu,
+            workdir="/data/gpuctl",
+        )
+        for i in range(nodes)
+    ]
     return ClusterRecord(name="c", provider="ssh", nodes=recs, runtime="docker", image="reg.example/trainer:1")
 
 
@@ -42,8 +50,9 @@ def spec_for(cfg: GpuctlConfig, rec: ClusterRecord, secrets: dict[str, str] | No
 
 
 def test_docker_run_argv_has_gpus_ipc_mounts_and_env_names():
-    cfg = GpuctlConfig.model_validate({"env": {"NCCL_DEBUG": "INFO"}, "docker": {"shm_size": "32g",
-                                       "mounts": ["/datasets:/datasets:ro"]}})
+    cfg = GpuctlConfig.model_validate(
+        {"env": {"NCCL_DEBUG": "INFO"}, "docker": {"shm_size": "32g", "mounts": ["/datasets:/datasets:ro"]}}
+    )
     spec = spec_for(cfg, cluster(), {"VAST_API_KEY": SECRET})
     argv = spec.launcher_prefix
     assert argv[:3] == ["docker", "run", "--rm"]
@@ -84,7 +93,7 @@ def test_secret_is_not_on_the_command_line_or_in_launch_sh(tmp_path):
     line = next(l for l in launch.splitlines() if "deepspeed.launcher.runner" in l)
     words = shlex.split(line.replace('"$MASTER_PORT"', "PORT"))
     assert words[:2] == ["docker", "run"]
-    assert words[words.index("reg.example/trainer:1") + 1:][:4] == ["python3", "-u", "-m", "deepspeed.launcher.runner"]
+    assert words[words.index("reg.example/trainer:1") + 1 :][:4] == ["python3", "-u", "-m", "deepspeed.launcher.runner"]
 
 
 def test_runtime_none_has_no_prefix():
@@ -98,13 +107,21 @@ def test_multinode_docker_is_a_clear_error():
         spec_for(GpuctlConfig(), cluster(nodes=2))
 
 
-@pytest.mark.parametrize("requested,kind,docker,image_name,expected", [
-    ("auto", "vast", False, "x", "image"), ("auto", "runpod", False, "x", "image"),
-    ("auto", "aws", False, "x", "docker"), ("auto", "ssh", True, "img:1", "docker"),
-    ("auto", "ssh", True, None, "none"), ("auto", "ssh", False, "img:1", "none"),
-    ("auto", "local", True, "img:1", "none"), ("none", "aws", True, "x", "none"),
-    ("docker", "ssh", False, None, "docker"), ("image", "vast", False, "x", "image"),
-])
+@pytest.mark.parametrize(
+    "requested,kind,docker,image_name,expected",
+    [
+        ("auto", "vast", False, "x", "image"),
+        ("auto", "runpod", False, "x", "image"),
+        ("auto", "aws", False, "x", "docker"),
+        ("auto", "ssh", True, "img:1", "docker"),
+        ("auto", "ssh", True, None, "none"),
+        ("auto", "ssh", False, "img:1", "none"),
+        ("auto", "local", True, "img:1", "none"),
+        ("none", "aws", True, "x", "none"),
+        ("docker", "ssh", False, None, "docker"),
+        ("image", "vast", False, "x", "image"),
+    ],
+)
 def test_runtime_resolution(requested, kind, docker, image_name, expected):
     assert resolve_runtime(requested, kind, image=image_name, has_docker=lambda: docker) == expected
 
@@ -156,17 +173,29 @@ def test_pull_without_credentials_does_not_log_in(monkeypatch):
     assert [argv[1] for argv, _ in node.calls] == ["pull", "image"]
 
 
-@pytest.mark.parametrize("ref,registry", [("ghcr.io/a/b:1", "ghcr.io"), ("localhost:5000/x", "localhost:5000"),
-                                          ("library/ubuntu:22.04", None), ("ubuntu", None),
-                                          ("127.0.0.1:9/x:1", "127.0.0.1:9")])
+@pytest.mark.parametrize(
+    "ref,registry",
+    [
+        ("ghcr.io/a/b:1", "ghcr.io"),
+        ("localhost:5000/x", "localhost:5000"),
+        ("library/ubuntu:22.04", None),
+        ("ubuntu", None),
+        ("127.0.0.1:9/x:1", "127.0.0.1:9"),
+    ],
+)
 def test_registry_of(ref, registry):
     assert image.registry_of(ref) == registry
 
 
 def test_build_context_is_the_allow_list():
     files = image.context_files(REPO, "Dockerfile")
-    assert {"Dockerfile", ".dockerignore", "images/entrypoint.sh", "images/requirements-torch.txt",
-            "trainer/__init__.py"} <= set(files)
+    assert {
+        "Dockerfile",
+        ".dockerignore",
+        "images/entrypoint.sh",
+        "images/requirements-torch.txt",
+        "trainer/__init__.py",
+    } <= set(files)
     assert not [f for f in files if f.startswith((".venv/", "provision/", "tests/", ".git/"))]
     assert not [f for f in files if "__pycache__" in f or f.endswith(".pyc")]
 
@@ -220,8 +249,12 @@ def test_image_build_push_logs_in_with_stdin_and_out_again(tmp_path, monkeypatch
     calls = log.read_text().splitlines()
     assert calls[0].startswith("build -t reg.example/gpuctl/trainer:7 -f ")
     assert f"{REPO}/Dockerfile" in calls[0] and calls[0].endswith(str(REPO)) and "VCS_REF=" in calls[0]
-    assert calls[1:5] == ["login --username robot --password-stdin reg.example", f"stdin={SECRET}",
-                          "push reg.example/gpuctl/trainer:7", "logout reg.example"]
+    assert calls[1:5] == [
+        "login --username robot --password-stdin reg.example",
+        f"stdin={SECRET}",
+        "push reg.example/gpuctl/trainer:7",
+        "logout reg.example",
+    ]
     assert all(SECRET not in c for c in calls if not c.startswith("stdin="))
     assert "Step 1/1" in result.output and "pushed" in result.output
 
@@ -234,7 +267,8 @@ def test_dry_run_shows_the_docker_wrapper(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "gpuctl.yaml").write_text(
         "provider: {kind: ssh, hosts: [me@10.1.2.3], runtime: docker, image: reg.example/t:1, gpus_per_node: 3}\n"
-        "train: {grad_accum: 4}\n")
+        "train: {grad_accum: 4}\n"
+    )
     result = CliRunner().invoke(app, ["train", "--dry-run"])
     assert result.exit_code == 0, result.output
     assert "docker run --rm --init" in result.output and "--gpus all" in result.output

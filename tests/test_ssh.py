@@ -19,15 +19,22 @@ import yaml
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from provision.flows import cluster
-from provision.transport.ssh import client_config as sshconfig
-from provision.transport.ssh import mesh
 from provision.core import state
 from provision.core.config import load_config
 from provision.core.errors import ConfigError, RemoteError
+from provision.flows import cluster
 from provision.providers.base import UpOptions
-from provision.providers.ssh_hosts import BACKEND, hostfile_names, stop_run_processes, Target
-from provision.transport.ssh.node import ConnectError, SSHNode, forget_host, known_hosts_path, wait_for_ssh, walk_shipped
+from provision.providers.ssh_hosts import BACKEND, Target, hostfile_names, stop_run_processes
+from provision.transport.ssh import client_config as sshconfig
+from provision.transport.ssh import mesh
+from provision.transport.ssh.node import (
+    ConnectError,
+    SSHNode,
+    forget_host,
+    known_hosts_path,
+    wait_for_ssh,
+    walk_shipped,
+)
 from tests.sshd import SSHD, fresh_sshd, sshd  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.timeout(120)
@@ -39,9 +46,17 @@ def node_for(server: SSHD, address: str = "127.0.0.1", pin: bool = True, **kw) -
 
 
 def write_cfg(project: Path, server: SSHD, hosts: list[str] | None = None, **provider) -> Path:
-    prov = {"kind": "ssh", "hosts": hosts or [server.host()], "identity_file": str(server.client_key),
-            "python": sys.executable, "cpu_ranks": 1, "workdir": str(project / "node"),
-            "authorized_keys": str(server.authorized_keys), "ready_timeout": 20, "connect_timeout": 5}
+    prov = {
+        "kind": "ssh",
+        "hosts": hosts or [server.host()],
+        "identity_file": str(server.client_key),
+        "python": sys.executable,
+        "cpu_ranks": 1,
+        "workdir": str(project / "node"),
+        "authorized_keys": str(server.authorized_keys),
+        "ready_timeout": 20,
+        "connect_timeout": 5,
+    }
     prov.update(provider)
     cfg = {"name": "sshtest", "provider": prov, "train": {"max_steps": 2}}
     path = project / "gpuctl.yaml"
@@ -55,11 +70,14 @@ def quiet(_line: str) -> None:
 
 # --- transport -------------------------------------------------------------------------------
 
+
 def test_run_streams_lines_stdin_and_exit_codes(sshd):
     node = node_for(sshd)
     seen: list[tuple[str, float]] = []
-    result = node.run(["bash", "-c", "for i in 1 2 3; do echo line$i; sleep 0.3; done; echo err >&2"],
-                      stream=lambda line: seen.append((line, time.monotonic())))
+    result = node.run(
+        ["bash", "-c", "for i in 1 2 3; do echo line$i; sleep 0.3; done; echo err >&2"],
+        stream=lambda line: seen.append((line, time.monotonic())),
+    )
     assert [s for s, _ in seen] == ["line1", "line2", "line3"]
     assert seen[-1][1] - seen[0][1] > 0.4  # streamed as they came, not all at the end
     assert result.stderr == "err\n"
@@ -104,13 +122,16 @@ def test_start_detached_survives_the_connection_closing(sshd, tmp_path):
     assert not (Path.home() / "pwned").exists() and not (tmp_path / "pwned").exists()
 
 
-NASTY = st.text(alphabet=st.sampled_from(list("ab ;$()`'\"\\\n\t|&*?~#!{}<>=%") + ["é", "-"]),
-                min_size=1, max_size=12)
+NASTY = st.text(alphabet=st.sampled_from(list("ab ;$()`'\"\\\n\t|&*?~#!{}<>=%") + ["é", "-"]), min_size=1, max_size=12)
 
 
 # No shrink phase: each example costs SSH round trips; the failing example is printed as found.
-@settings(max_examples=30, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate),
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=30,
+    deadline=None,
+    phases=(Phase.explicit, Phase.reuse, Phase.generate),
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(args=st.lists(NASTY, min_size=1, max_size=4), name=NASTY, text=st.text(max_size=40))
 def test_user_values_arrive_verbatim(sshd, tmp_path, args, name, text):
     node = node_for(sshd)
@@ -141,16 +162,37 @@ def test_put_dir_skips_ignored_files_and_keeps_modes(sshd, tmp_path):
     (src / ".gitignore").write_text("# comment\n*.log\n!keep.log\nbuild/\n__pycache__/\n/top.tmp\n")
     (src / ".gpuctlignore").write_text("data/big*\n")
     (src / "lib" / ".gitignore").write_text("secret.txt\n")
-    files = {"run.json": "{}", "a.log": "x", "keep.log": "k", "build/out.bin": "b", "top.tmp": "t",
-             "lib/top.tmp": "kept: /top.tmp is anchored", "lib/pkg/mod.py": "m", "lib/pkg/__pycache__/m.pyc": "c",
-             "lib/secret.txt": "s", "data/big.bin": "B", "data/small.txt": "s", "launch.sh": "#!/bin/sh\n"}
+    files = {
+        "run.json": "{}",
+        "a.log": "x",
+        "keep.log": "k",
+        "build/out.bin": "b",
+        "top.tmp": "t",
+        "lib/top.tmp": "kept: /top.tmp is anchored",
+        "lib/pkg/mod.py": "m",
+        "lib/pkg/__pycache__/m.pyc": "c",
+        "lib/secret.txt": "s",
+        "data/big.bin": "B",
+        "data/small.txt": "s",
+        "launch.sh": "#!/bin/sh\n",
+    }
     for rel, body in files.items():
         (src / rel).write_text(body)
     (src / "launch.sh").chmod(0o755)
     (src / "link").symlink_to("run.json")
     shipped = {rel for rel, _, kind in walk_shipped(src) if kind != "dir"}
-    assert shipped == {".gitignore", ".gpuctlignore", "run.json", "keep.log", "lib/top.tmp", "lib/.gitignore",
-                       "lib/pkg/mod.py", "data/small.txt", "launch.sh", "link"}
+    assert shipped == {
+        ".gitignore",
+        ".gpuctlignore",
+        "run.json",
+        "keep.log",
+        "lib/top.tmp",
+        "lib/.gitignore",
+        "lib/pkg/mod.py",
+        "data/small.txt",
+        "launch.sh",
+        "link",
+    }
     dest = tmp_path / "remote copy"
     node_for(sshd).put_dir(src, str(dest))
     got = {str(p.relative_to(dest)) for p in dest.rglob("*") if not p.is_dir()}
@@ -161,6 +203,7 @@ def test_put_dir_skips_ignored_files_and_keeps_modes(sshd, tmp_path):
 
 
 # --- host keys and connection failures -------------------------------------------------------
+
 
 def test_host_key_pinned_on_first_contact_then_enforced(fresh_sshd, state_dir):
     server = fresh_sshd
@@ -207,8 +250,13 @@ def test_changed_host_key_refused_by_cli(fresh_sshd, project, state_dir):
     lines = up.stderr.strip().splitlines()
     assert lines[-1].startswith("error: ") and "CHANGED" in lines[-1]
     assert f"gpuctl forget-host 127.0.0.1:{fresh_sshd.port}" in lines[-1]
-    forget = subprocess.run([*GPUCTL, "forget-host", f"127.0.0.1:{fresh_sshd.port}"], cwd=project,
-                            capture_output=True, text=True, timeout=60)
+    forget = subprocess.run(
+        [*GPUCTL, "forget-host", f"127.0.0.1:{fresh_sshd.port}"],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert forget.returncode == 0 and "forgot 1" in forget.stderr
     up = subprocess.run([*GPUCTL, "up"], cwd=project, capture_output=True, text=True, timeout=60)
     assert up.returncode == 0, up.stderr
@@ -244,12 +292,21 @@ def test_connection_failures_are_one_line_within_a_bound(sshd, tmp_path):
     wrong_key = tmp_path / "wrong_key"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(wrong_key)], check=True, timeout=30)
     cases = [
-        (SSHNode("127.0.0.1", _closed_port(), "root", str(sshd.client_key), connect_timeout=3, pin_new=True),
-         "connection refused", True),
-        (SSHNode("127.0.0.1", silent_port, "root", str(sshd.client_key), connect_timeout=2, pin_new=True),
-         "no SSH banner within 2s", True),
-        (SSHNode("127.0.0.1", sshd.port, sshd.user, str(wrong_key), connect_timeout=3, pin_new=True),
-         "authentication failed", False),
+        (
+            SSHNode("127.0.0.1", _closed_port(), "root", str(sshd.client_key), connect_timeout=3, pin_new=True),
+            "connection refused",
+            True,
+        ),
+        (
+            SSHNode("127.0.0.1", silent_port, "root", str(sshd.client_key), connect_timeout=2, pin_new=True),
+            "no SSH banner within 2s",
+            True,
+        ),
+        (
+            SSHNode("127.0.0.1", sshd.port, sshd.user, str(wrong_key), connect_timeout=3, pin_new=True),
+            "authentication failed",
+            False,
+        ),
     ]
     try:
         for node, words, transient in cases:
@@ -268,8 +325,10 @@ def test_connection_failures_are_one_line_within_a_bound(sshd, tmp_path):
 def test_gpuctl_up_failure_is_one_line_within_a_bound(sshd, project, state_dir, problem):
     silent, silent_port = _silent_listener()
     try:
-        host = {"wrong port": f"{sshd.user}@127.0.0.1:{_closed_port()}",
-                "silent host": f"{sshd.user}@127.0.0.1:{silent_port}"}.get(problem, sshd.host())
+        host = {
+            "wrong port": f"{sshd.user}@127.0.0.1:{_closed_port()}",
+            "silent host": f"{sshd.user}@127.0.0.1:{silent_port}",
+        }.get(problem, sshd.host())
         extra = {}
         if problem == "wrong key":
             key = project / "other_key"
@@ -284,8 +343,9 @@ def test_gpuctl_up_failure_is_one_line_within_a_bound(sshd, project, state_dir, 
     assert up.returncode == 4
     last = up.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and host.split("@")[1] in last
-    assert {"wrong port": "connection refused", "wrong key": "authentication failed",
-            "silent host": "no SSH banner"}[problem] in last
+    assert {"wrong port": "connection refused", "wrong key": "authentication failed", "silent host": "no SSH banner"}[
+        problem
+    ] in last
     # ready_timeout 4 s + one connect attempt (2 s) + interpreter start; auth failure is not retried
     assert elapsed < (5 if problem == "wrong key" else 12), elapsed
     assert not list(state_dir.glob("clusters/*.json"))
@@ -320,29 +380,41 @@ def test_wait_for_ssh_wants_a_banner(sshd):
 
 # --- provider ssh ----------------------------------------------------------------------------
 
+
 def test_up_records_the_cluster_and_writes_ssh_config(sshd, project, state_dir):
     write_cfg(project, sshd, cpu_ranks=2)
     up = subprocess.run([*GPUCTL, "up"], cwd=project, capture_output=True, text=True, timeout=60)
     assert up.returncode == 0, up.stderr
     record = state.load_cluster("sshtest")
     node = record.nodes[0]
-    assert (node.address, node.port, node.user, node.slots, node.accelerator) == \
-        ("127.0.0.1", sshd.port, sshd.user, 2, "cpu")
+    assert (node.address, node.port, node.user, node.slots, node.accelerator) == (
+        "127.0.0.1",
+        sshd.port,
+        sshd.user,
+        2,
+        "cpu",
+    )
     assert node.workdir == str(project / "node") and record.python == sys.executable
     assert record.identity_file == str(sshd.client_key)
     config = (state_dir / "ssh_config").read_text()
     assert "Host gpuctl-sshtest gpuctl-sshtest-0" in config and "StrictHostKeyChecking yes" in config
     assert f"Include {state_dir / 'ssh_config'}" in up.stderr
     # OpenSSH itself, with only the generated config, trusts the pinned key
-    plain = subprocess.run(["ssh", "-F", str(state_dir / "ssh_config"), "gpuctl-sshtest", "echo", "hi"],
-                           capture_output=True, text=True, timeout=30)
+    plain = subprocess.run(
+        ["ssh", "-F", str(state_dir / "ssh_config"), "gpuctl-sshtest", "echo", "hi"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert plain.stdout == "hi\n", plain.stderr
     value = "a b; $(touch pwned) 'q' \"d\""
-    via = subprocess.run([*GPUCTL, "ssh", "printf", "%s|", value, "x"], cwd=project, capture_output=True,
-                         text=True, timeout=30)
+    via = subprocess.run(
+        [*GPUCTL, "ssh", "printf", "%s|", value, "x"], cwd=project, capture_output=True, text=True, timeout=30
+    )
     assert via.returncode == 0 and via.stdout == f"{value}|x|", via.stderr
-    shell = subprocess.run([*GPUCTL, "ssh", "echo one | tr o O; exit 3"], cwd=project, capture_output=True,
-                           text=True, timeout=30)
+    shell = subprocess.run(
+        [*GPUCTL, "ssh", "echo one | tr o O; exit 3"], cwd=project, capture_output=True, text=True, timeout=30
+    )
     assert shell.stdout == "One\n" and shell.returncode == 3
     down = subprocess.run([*GPUCTL, "down"], cwd=project, capture_output=True, text=True, timeout=60)
     assert down.returncode == 0, down.stderr
@@ -354,7 +426,7 @@ def test_up_checks_the_node_python(sshd, project, state_dir):
     with pytest.raises(ConfigError, match="not found on the node"):
         cluster.up(load_config(project / "gpuctl.yaml"), UpOptions(say=quiet))
     bare = project / "bare-python"
-    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -I -S \"$@\"\n")  # no site-packages: no torch
+    bare.write_text(f'#!/bin/sh\nexec {sys.executable} -I -S "$@"\n')  # no site-packages: no torch
     bare.chmod(0o755)
     write_cfg(project, sshd, python=str(bare))
     with pytest.raises(ConfigError, match="lacks torch, deepspeed, transformers"):
@@ -387,8 +459,7 @@ def test_two_hosts_get_node_to_node_ssh_and_down_removes_it(sshd, project, state
 
 
 def test_multinode_refuses_unsafe_paths(sshd, project, state_dir):
-    write_cfg(project, sshd, hosts=[sshd.host("127.0.0.1"), sshd.host("127.0.0.2")],
-              workdir=str(project / "node dir"))
+    write_cfg(project, sshd, hosts=[sshd.host("127.0.0.1"), sshd.host("127.0.0.2")], workdir=str(project / "node dir"))
     with pytest.raises(ConfigError, match="pastes it unquoted"):
         cluster.up(load_config(project / "gpuctl.yaml"), UpOptions(say=quiet))
 
@@ -406,9 +477,11 @@ def test_down_stops_run_processes_by_cwd(sshd, tmp_path):
     for folder in (run_dir, other):
         folder.mkdir(parents=True)
     # one ignoring TERM (needs the KILL), one in a sub folder, one in a look-alike folder (kept)
-    procs = [subprocess.Popen(["bash", "-c", "trap '' TERM; sleep 60 & wait; sleep 60"], cwd=run_dir),
-             subprocess.Popen(["sleep", "60"], cwd=run_dir),
-             subprocess.Popen(["sleep", "60"], cwd=other)]
+    procs = [
+        subprocess.Popen(["bash", "-c", "trap '' TERM; sleep 60 & wait; sleep 60"], cwd=run_dir),
+        subprocess.Popen(["sleep", "60"], cwd=run_dir),
+        subprocess.Popen(["sleep", "60"], cwd=other),
+    ]
     try:
         time.sleep(0.3)
         count = stop_run_processes(node, [str(run_dir)], quiet, grace_s=2)
@@ -430,8 +503,7 @@ def test_ssh_config_quotes_paths():
 
 
 def test_ssh_command_for_local_cluster_is_refused(project, state_dir):
-    state.save_cluster(state.ClusterRecord(name="here", provider="local",
-                                           nodes=[state.NodeRecord(host="localhost")]))
+    state.save_cluster(state.ClusterRecord(name="here", provider="local", nodes=[state.NodeRecord(host="localhost")]))
     with pytest.raises(ConfigError, match="no SSH"):
         sshconfig.ssh_argv("here", 0, [])
 
@@ -451,7 +523,7 @@ def test_sftp_fast_paths_match_the_shell_versions(sshd, tmp_path):
     assert text == "é\nthree" and offset == len(data)
     assert node.read_new(str(log), offset) == ("", offset)
     assert node.last_line(str(log)) == Node.last_line(node, str(log)) == "three"
-    log.write_text("{\"step\": 1}\n{\"step\": 2}\n")
+    log.write_text('{"step": 1}\n{"step": 2}\n')
     assert node.last_line(str(log)).strip() == Node.last_line(node, str(log)).strip() == '{"step": 2}'
     assert node.group_alive(os.getpgid(0)) and not node.group_alive(2**22 - 3)
     assert node.read_text(str(tmp_path)) is None  # a folder: like `[ -f ] && cat`

@@ -8,28 +8,47 @@ from pathlib import Path
 
 import pytest
 
-from provision.flows import job
 from provision.core import state
 from provision.core.config import GpuctlConfig
 from provision.core.errors import ConfigError
+from provision.flows import job
 from provision.flows.render import rank_env, render_bundle
 
 
 def two_node_cluster(gpu: str | None, workdir: str = "/home/u/gpuctl") -> state.ClusterRecord:
-    nodes = [state.NodeRecord(host=f"10.0.0.{i}", address=f"10.0.0.{i}", port=2200 + i, user="u", slots=3,
-                              accelerator="cuda" if gpu else "cpu", gpu_name=gpu, workdir=workdir)
-             for i in (1, 2)]
+    nodes = [
+        state.NodeRecord(
+            host=f"10.0.0.{i}",
+            address=f"10.0.0.{i}",
+            port=2200 + i,
+            user="u",
+            slots=3,
+            accelerator="cuda" if gpu else "cpu",
+            gpu_name=gpu,
+            workdir=workdir,
+        )
+        for i in (1, 2)
+    ]
     return state.ClusterRecord(name="c", provider="ssh", nodes=nodes, python="/opt/py/bin/python")
 
 
 def cfg_with(env: dict | None = None) -> GpuctlConfig:
-    return GpuctlConfig.model_validate({"provider": {"kind": "ssh", "hosts": ["u@10.0.0.1:2201", "u@10.0.0.2:2202"]},
-                                        "env": env or {}})
+    return GpuctlConfig.model_validate(
+        {"provider": {"kind": "ssh", "hosts": ["u@10.0.0.1:2201", "u@10.0.0.2:2202"]}, "env": env or {}}
+    )
 
 
-@pytest.mark.parametrize("gpu, expect", [("NVIDIA GeForce RTX 4090", True), ("NVIDIA GeForce RTX 4070 Ti", True),
-                                         ("NVIDIA GeForce RTX 4080 SUPER", True), ("NVIDIA A100-SXM4-80GB", False),
-                                         ("NVIDIA GeForce RTX 3090", False), (None, False)])
+@pytest.mark.parametrize(
+    "gpu, expect",
+    [
+        ("NVIDIA GeForce RTX 4090", True),
+        ("NVIDIA GeForce RTX 4070 Ti", True),
+        ("NVIDIA GeForce RTX 4080 SUPER", True),
+        ("NVIDIA A100-SXM4-80GB", False),
+        ("NVIDIA GeForce RTX 3090", False),
+        (None, False),
+    ],
+)
 def test_rtx40_nccl_defaults(gpu, expect):
     spec = job.bundle_spec(cfg_with(), two_node_cluster(gpu), "r")
     env = rank_env(cfg_with(), spec)
@@ -58,7 +77,7 @@ def test_ssh_multinode_bundle_drives_deepspeeds_pdsh_runner(tmp_path, monkeypatc
     line = next(l for l in launch.splitlines() if "deepspeed.launcher.runner" in l)
     argv = shlex.split(line.split(" &")[0].replace('"$MASTER_PORT"', "29500"))
     assert "--ssh_port" not in argv  # ports differ per node: they come from the ssh config
-    args = ds.parse_args(argv[argv.index("deepspeed.launcher.runner") + 1:])
+    args = ds.parse_args(argv[argv.index("deepspeed.launcher.runner") + 1 :])
     assert args.launcher == "pdsh" and args.no_ssh_check and args.master_addr == "10.0.0.1"
 
     monkeypatch.chdir(tmp_path)
@@ -74,8 +93,12 @@ def test_ssh_multinode_bundle_drives_deepspeeds_pdsh_runner(tmp_path, monkeypatc
     assert cmd[:5] == ["pdsh", "-S", "-f", "1024", "-w"] and cmd[5] == "10.0.0.1,10.0.0.2"
     assert env["PDSH_RCMD_TYPE"] == "ssh" and env["PDSH_SSH_ARGS_APPEND"] == "-F /home/u/gpuctl/ssh/config"
     exports = cmd[6]
-    for expected in ("export NCCL_P2P_DISABLE=1;", "export NCCL_IB_DISABLE=1;", "export AWS_REGION=eu-west-1;",
-                     'export HF_HOME="/data/hf cache";'):
+    for expected in (
+        "export NCCL_P2P_DISABLE=1;",
+        "export NCCL_IB_DISABLE=1;",
+        "export AWS_REGION=eu-west-1;",
+        'export HF_HOME="/data/hf cache";',
+    ):
         assert expected in exports
     assert f"cd {os.path.abspath('.')};" in cmd
 

@@ -22,21 +22,30 @@ from tests.sshd import SSHD, fresh_sshd, sshd  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 GPUCTL = [sys.executable, "-m", "provision.cli"]
-EXTENSIONS = os.environ.get("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"))
+EXTENSIONS = os.environ.get(
+    "TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions")
+)
 
 
 def gpuctl(*args: str, cwd: Path, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([*GPUCTL, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [*GPUCTL, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
 
 
-def write_config(project: Path, server: SSHD, hosts: list[str], *, name: str, cpu_ranks: int,
-                 **train) -> None:
+def write_config(project: Path, server: SSHD, hosts: list[str], *, name: str, cpu_ranks: int, **train) -> None:
     cfg = {
         "name": name,
-        "provider": {"kind": "ssh", "hosts": hosts, "identity_file": str(server.client_key),
-                     "python": sys.executable, "cpu_ranks": cpu_ranks, "workdir": str(project / "node"),
-                     "authorized_keys": str(server.authorized_keys), "ready_timeout": 30},
+        "provider": {
+            "kind": "ssh",
+            "hosts": hosts,
+            "identity_file": str(server.client_key),
+            "python": sys.executable,
+            "cpu_ranks": cpu_ranks,
+            "workdir": str(project / "node"),
+            "authorized_keys": str(server.authorized_keys),
+            "ready_timeout": 30,
+        },
         "train": {"max_steps": 6, "checkpoint_every": 0, "seed": 1234, **train},
         "storage": {"url": str(project / "store")},
         # the ranks' shells start from sshd, not from this environment
@@ -83,12 +92,15 @@ class Follower:
     """A gpuctl command in the background whose output lines we can wait on."""
 
     def __init__(self, args: list[str], cwd: Path):
-        self.proc = subprocess.Popen([*GPUCTL, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True)
+        self.proc = subprocess.Popen(
+            [*GPUCTL, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         self.out: list[str] = []
         self.err: list[str] = []
-        self._threads = [threading.Thread(target=self._pump, args=(self.proc.stdout, self.out), daemon=True),
-                         threading.Thread(target=self._pump, args=(self.proc.stderr, self.err), daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._pump, args=(self.proc.stdout, self.out), daemon=True),
+            threading.Thread(target=self._pump, args=(self.proc.stderr, self.err), daemon=True),
+        ]
         for thread in self._threads:
             thread.start()
 
@@ -231,8 +243,9 @@ def test_cancel_stops_the_process_group_and_train_returns_the_exit_code(sshd, tm
 
 def test_down_stops_ranks_on_every_node(sshd, tmp_path, state_dir):
     project = tmp_path / "down2"
-    write_config(project, sshd, [sshd.host("127.0.0.1"), sshd.host("127.0.0.2")], name="down2",
-                 cpu_ranks=1, max_steps=500)
+    write_config(
+        project, sshd, [sshd.host("127.0.0.1"), sshd.host("127.0.0.2")], name="down2", cpu_ranks=1, max_steps=500
+    )
     assert gpuctl("up", cwd=project).returncode == 0
     started = gpuctl("train", "--detach", cwd=project)
     assert started.returncode == 0, started.stderr

@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from provision.flows import job
 from provision.core import state
 from provision.core.config import GpuctlConfig
 from provision.core.credentials import storage_credentials
 from provision.core.errors import ConfigError, NotFoundError
+from provision.flows import job
 from provision.flows.render import NODE_ENV, launcher_argv, render_bundle
 
 try:
-    from tests.s3server import s3_env  # noqa: F401 (fixture)
+    from tests.s3server import s3_env
 except ImportError:
     from s3server import s3_env  # noqa: F401
 
@@ -49,8 +49,7 @@ def profile_env(s3_env, tmp_path):
 
 
 def config(storage: dict, **provider) -> GpuctlConfig:
-    return GpuctlConfig.model_validate({"provider": {"kind": "local", "cpu_ranks": 3, **provider},
-                                        "storage": storage})
+    return GpuctlConfig.model_validate({"provider": {"kind": "local", "cpu_ranks": 3, **provider}, "storage": storage})
 
 
 S3 = {"url": "s3://bucket/prefix", "endpoint_url": "http://127.0.0.1:9", "profile": "train-profile"}
@@ -58,8 +57,11 @@ S3 = {"url": "s3://bucket/prefix", "endpoint_url": "http://127.0.0.1:9", "profil
 
 def test_profile_credentials_become_plain_env(profile_env):
     creds = storage_credentials(config(S3).storage)
-    assert creds.env == {"AWS_ACCESS_KEY_ID": "AKIAPROFILEKEY000001", "AWS_SECRET_ACCESS_KEY": MARKER,
-                         "AWS_DEFAULT_REGION": "eu-west-3"}
+    assert creds.env == {
+        "AWS_ACCESS_KEY_ID": "AKIAPROFILEKEY000001",
+        "AWS_SECRET_ACCESS_KEY": MARKER,
+        "AWS_DEFAULT_REGION": "eu-west-3",
+    }
     assert not creds.expires and MARKER not in repr(creds)
 
 
@@ -89,9 +91,15 @@ def test_missing_profile_and_missing_credentials_are_one_line_errors(profile_env
 
 
 def _bundle(cfg: GpuctlConfig, tmp_path: Path, hosts: int = 1):
-    cluster = state.ClusterRecord(name="c", provider="local", python="python3", nodes=[
-        state.NodeRecord(host=f"node{i}", address=f"127.0.0.{i + 1}", slots=1, workdir=str(tmp_path / "node"))
-        for i in range(hosts)])
+    cluster = state.ClusterRecord(
+        name="c",
+        provider="local",
+        python="python3",
+        nodes=[
+            state.NodeRecord(host=f"node{i}", address=f"127.0.0.{i + 1}", slots=1, workdir=str(tmp_path / "node"))
+            for i in range(hosts)
+        ],
+    )
     spec = job.bundle_spec(cfg, cluster, "run1", "latest")
     spec.ssh_config = None  # multi-node: mesh.setup would have written one at `up`
     return spec, render_bundle(cfg, spec, tmp_path / "bundle")
@@ -136,8 +144,10 @@ def test_multinode_ranks_source_secrets_without_command_line_or_log(profile_env,
     from deepspeed.launcher.multinode_runner import PDSHRunner
     from deepspeed.launcher.runner import parse_args
 
-    args = parse_args(argv[argv.index("deepspeed.launcher.runner") + 1:] + ["--master_port", "29500",
-                                                                            "--module", "trainer", "run.json"])
+    args = parse_args(
+        argv[argv.index("deepspeed.launcher.runner") + 1 :]
+        + ["--master_port", "29500", "--module", "trainer", "run.json"]
+    )
     runner = PDSHRunner(args, "e30=")
     for line in (out / ".deepspeed_env").read_text().splitlines():
         runner.add_export(*line.split("=", 1))
@@ -148,7 +158,9 @@ def test_multinode_ranks_source_secrets_without_command_line_or_log(profile_env,
     # The node side: the bundle copy in the run dir, sourced the way pdsh's remote shell does.
     shutil.copytree(out, spec.run_dir)
     script = f"source {spec.run_dir}/{NODE_ENV}; printenv AWS_SECRET_ACCESS_KEY GPUCTL_SECRETS_FILE"
-    shown = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30, env={"PATH": os.environ["PATH"]})
+    shown = subprocess.run(
+        ["bash", "-c", script], capture_output=True, text=True, timeout=30, env={"PATH": os.environ["PATH"]}
+    )
     assert shown.returncode == 0, shown.stderr
     secret, secrets_file = shown.stdout.split()
     assert secret == MARKER and secrets_file == f"{spec.run_dir}/secrets.env"
@@ -210,8 +222,23 @@ def test_resume_check_world_size_and_missing(tmp_path):
 def test_export_without_a_checkpoint_is_one_line(tmp_path):
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "trainer.export", str(tmp_path / "none"), "step3", str(tmp_path / "hf"),
-                          "--model", "tiny"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.export",
+            str(tmp_path / "none"),
+            "step3",
+            str(tmp_path / "hf"),
+            "--model",
+            "tiny",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines()[-1] == f"export: error: checkpoint {tmp_path / 'none' / 'step3'} does not exist"
+    assert (
+        out.stderr.strip().splitlines()[-1] == f"export: error: checkpoint {tmp_path / 'none' / 'step3'} does not exist"
+    )
     assert not (tmp_path / "hf").exists()

@@ -45,12 +45,17 @@ def cli_env(home: Path, state: Path) -> dict[str, str]:
     """gpuctl's environment: credentials only in a named profile, no AWS_* keys, own state dir."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     home.mkdir(parents=True, exist_ok=True)
-    (home / "credentials").write_text(f"[{PROFILE}]\naws_access_key_id = {KEY_ID}\n"
-                                      f"aws_secret_access_key = {MARKER}\n")
+    (home / "credentials").write_text(f"[{PROFILE}]\naws_access_key_id = {KEY_ID}\naws_secret_access_key = {MARKER}\n")
     (home / "config").write_text(f"[profile {PROFILE}]\nregion = us-east-1\n")
-    env.update(AWS_SHARED_CREDENTIALS_FILE=str(home / "credentials"), AWS_CONFIG_FILE=str(home / "config"),
-               AWS_EC2_METADATA_DISABLED="true", GPUCTL_STATE_DIR=str(state), HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"))
+    env.update(
+        AWS_SHARED_CREDENTIALS_FILE=str(home / "credentials"),
+        AWS_CONFIG_FILE=str(home / "config"),
+        AWS_EC2_METADATA_DISABLED="true",
+        GPUCTL_STATE_DIR=str(state),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"),
+    )
     return env
 
 
@@ -60,9 +65,14 @@ TOOL_CREDS = {"aws_access_key_id": "AKIATOOLS", "aws_secret_access_key": "tools"
 def tool_env() -> dict[str, str]:
     """For aws-cli / s5cmd / plain boto3: any key works against moto."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(AWS_ACCESS_KEY_ID=TOOL_CREDS["aws_access_key_id"],
-               AWS_SECRET_ACCESS_KEY=TOOL_CREDS["aws_secret_access_key"], AWS_DEFAULT_REGION="us-east-1",
-               AWS_EC2_METADATA_DISABLED="true", AWS_CONFIG_FILE="/dev/null", AWS_SHARED_CREDENTIALS_FILE="/dev/null")
+    env.update(
+        AWS_ACCESS_KEY_ID=TOOL_CREDS["aws_access_key_id"],
+        AWS_SECRET_ACCESS_KEY=TOOL_CREDS["aws_secret_access_key"],
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_EC2_METADATA_DISABLED="true",
+        AWS_CONFIG_FILE="/dev/null",
+        AWS_SHARED_CREDENTIALS_FILE="/dev/null",
+    )
     return env
 
 
@@ -73,8 +83,9 @@ class Project:
     outputs: list[str] = field(default_factory=list)  # everything gpuctl printed, for the leak check
 
     def gpuctl(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
-        out = subprocess.run([*GPUCTL, *args], cwd=self.dir, env=self.env, capture_output=True, text=True,
-                             timeout=timeout)
+        out = subprocess.run(
+            [*GPUCTL, *args], cwd=self.dir, env=self.env, capture_output=True, text=True, timeout=timeout
+        )
         self.outputs += [out.stdout, out.stderr]
         if check:
             assert out.returncode == 0, f"gpuctl {' '.join(args)}: {out.stdout[-3000:]}\n{out.stderr[-3000:]}"
@@ -95,8 +106,9 @@ def make_project(root: Path, server: MotoS3, bucket: str, *, cpu_ranks: int = 3,
     cfg = yaml.safe_load((root / "gpuctl.yaml").read_text())
     cfg["provider"]["cpu_ranks"] = cpu_ranks
     cfg["train"].update({"seq_len": 64, "max_steps": STEPS, "checkpoint_every": EVERY, **train})
-    cfg["storage"].update(url=f"s3://{bucket}/runs/e2e", endpoint_url=server.endpoint, region="us-east-1",
-                          profile=PROFILE, keep=3)
+    cfg["storage"].update(
+        url=f"s3://{bucket}/runs/e2e", endpoint_url=server.endpoint, region="us-east-1", profile=PROFILE, keep=3
+    )
     (root / "gpuctl.yaml").write_text(yaml.safe_dump(cfg))
     project.gpuctl("up")
     return project
@@ -147,8 +159,11 @@ def objects(server: MotoS3, bucket: str, prefix: str) -> dict[str, dict]:
     out = {}
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
         for obj in page.get("Contents", ()):
-            out[obj["Key"][len(prefix) + 1:]] = {"size": obj["Size"], "etag": obj["ETag"],
-                                                 "mtime": obj["LastModified"].timestamp()}
+            out[obj["Key"][len(prefix) + 1 :]] = {
+                "size": obj["Size"],
+                "etag": obj["ETag"],
+                "mtime": obj["LastModified"].timestamp(),
+            }
     return out
 
 
@@ -178,12 +193,25 @@ class Reference:
 def reference(server, tmp_path_factory) -> Reference:
     bucket = server.make_bucket()
     project = make_project(tmp_path_factory.mktemp("ref") / "project", server, bucket)
-    with ArgvWatch() as argv, LatestWatcher(server, bucket, "runs/e2e", limit_s=3600, interval_s=0.2,
-                                **TOOL_CREDS) as latest:
+    with (
+        ArgvWatch() as argv,
+        LatestWatcher(server, bucket, "runs/e2e", limit_s=3600, interval_s=0.2, **TOOL_CREDS) as latest,
+    ):
         train = project.gpuctl("train")
     run = project.newest_run()
-    return Reference(project, bucket, "runs/e2e", run, losses(run["run_dir"]), train.stdout + train.stderr,
-                     argv.hits, argv.samples, latest.seen, latest.violations, objects(server, bucket, "runs/e2e"))
+    return Reference(
+        project,
+        bucket,
+        "runs/e2e",
+        run,
+        losses(run["run_dir"]),
+        train.stdout + train.stderr,
+        argv.hits,
+        argv.samples,
+        latest.seen,
+        latest.violations,
+        objects(server, bucket, "runs/e2e"),
+    )
 
 
 # -- tests -----------------------------------------------------------------------------------
@@ -200,11 +228,21 @@ def test_run_leaves_complete_checkpoints_in_the_bucket(reference, server):
     assert not ref.latest_violations and ref.latest_seen[-1] == "step12", ref.latest_seen
 
     url = f"s3://{ref.bucket}/runs/e2e/"
-    aws = subprocess.run([venv_bin("aws"), "--endpoint-url", server.endpoint, "s3", "ls", "--recursive", url],
-                         env=tool_env(), capture_output=True, text=True, timeout=120)
+    aws = subprocess.run(
+        [venv_bin("aws"), "--endpoint-url", server.endpoint, "s3", "ls", "--recursive", url],
+        env=tool_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert aws.returncode == 0, aws.stderr
-    s5 = subprocess.run([venv_bin("s5cmd"), "--endpoint-url", server.endpoint, "ls", url + "*"],
-                        env=tool_env(), capture_output=True, text=True, timeout=120)
+    s5 = subprocess.run(
+        [venv_bin("s5cmd"), "--endpoint-url", server.endpoint, "ls", url + "*"],
+        env=tool_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert s5.returncode == 0, s5.stderr
     for tag in tags:
         for listing in (aws.stdout, s5.stdout):
@@ -267,7 +305,9 @@ def test_bad_shards_fall_back_to_the_previous_complete_checkpoint(reference, ser
     run = ref.project.newest_run()
     assert run["state"] == "succeeded"
     log = Path(run["run_dir"], "job.log").read_text()
-    assert "checkpoint step12 failed verification" in log and "falling back to previous complete checkpoint step8" in log
+    assert (
+        "checkpoint step12 failed verification" in log and "falling back to previous complete checkpoint step8" in log
+    )
     assert "checkpoint step8 failed verification" in log and "falling back to previous complete checkpoint step4" in log
     assert "downloaded checkpoint step4 (step 4)" in log
     assert_same_losses(losses(run["run_dir"]), ref.losses, EVERY + 1)
@@ -289,10 +329,16 @@ def test_trainer_refuses_other_world_size_before_downloading(reference, server, 
     for key, value in tool_env().items():
         if key.startswith("AWS_"):
             monkeypatch.setenv(key, value)
-    storage = {"url": f"s3://{reference.bucket}/{reference.prefix}", "endpoint_url": server.endpoint,
-               "region": "us-east-1", "profile": None, "keep": 3}
-    run_dir = helpers.make_run_dir(tmp_path / "one", world=1, grad_accum=4, seq_len=64, storage=storage,
-                                   resume="latest")
+    storage = {
+        "url": f"s3://{reference.bucket}/{reference.prefix}",
+        "endpoint_url": server.endpoint,
+        "region": "us-east-1",
+        "profile": None,
+        "keep": 3,
+    }
+    run_dir = helpers.make_run_dir(
+        tmp_path / "one", world=1, grad_accum=4, seq_len=64, storage=storage, resume="latest"
+    )
     proc = helpers.launch(run_dir, 1, timeout=300)
     assert proc.returncode != 0
     errors = [line for line in proc.stdout.splitlines() if line.startswith("trainer: error")]
@@ -307,8 +353,14 @@ def test_pull_hf_folder_loads_and_matches_the_trained_loss(reference, tmp_path):
     dest, hf = tmp_path / "ckpt", tmp_path / "hf"
     ref.project.gpuctl("ckpt", "pull", "step4", "--dest", str(dest), "--hf", str(hf))
     assert (dest / "latest").read_text() == "step4" and (hf / "model.safetensors").is_file()
-    check = subprocess.run([sys.executable, "-c", LOSS_ON_BATCH, str(hf), ref.run["run_dir"], str(EVERY)],
-                           env=ref.project.env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    check = subprocess.run(
+        [sys.executable, "-c", LOSS_ON_BATCH, str(hf), ref.run["run_dir"], str(EVERY)],
+        env=ref.project.env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert check.returncode == 0, check.stderr[-3000:]
     loss = float(check.stdout.split()[-1])
     assert abs(loss - ref.losses[EVERY + 1]) < 1e-5, (loss, ref.losses)
@@ -338,8 +390,14 @@ def test_pull_shows_a_progress_bar_with_speed(reference, tmp_path):
     """Under a terminal `gpuctl ckpt pull` draws rich's bar with bytes and bytes/s."""
     master, slave = pty.openpty()
     env = {**reference.project.env, "COLUMNS": "120", "TERM": "xterm"}
-    proc = subprocess.Popen([*GPUCTL, "ckpt", "pull", "--dest", str(tmp_path / "p")], cwd=reference.project.dir,
-                            env=env, stdin=slave, stdout=slave, stderr=slave)
+    proc = subprocess.Popen(
+        [*GPUCTL, "ckpt", "pull", "--dest", str(tmp_path / "p")],
+        cwd=reference.project.dir,
+        env=env,
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+    )
     os.close(slave)
     seen = b""
     deadline = time.monotonic() + 120
@@ -375,8 +433,7 @@ def test_storage_outage_mid_run(server, tmp_path):
     checkpoint is synced, and `latest` never names an incomplete checkpoint."""
     bucket = server.make_bucket()
     project = make_project(tmp_path / "project", server, bucket, max_steps=10, checkpoint_every=5)
-    with LatestWatcher(server, bucket, "runs/e2e", limit_s=3600, interval_s=0.2,
-                                **TOOL_CREDS) as latest:
+    with LatestWatcher(server, bucket, "runs/e2e", limit_s=3600, interval_s=0.2, **TOOL_CREDS) as latest:
         run_id = project.gpuctl("train", "--detach").stdout.strip()
         run_dir = Path(json.loads((project.state / "runs" / f"{run_id}.json").read_text())["run_dir"])
         log = run_dir / "job.log"
@@ -385,8 +442,14 @@ def test_storage_outage_mid_run(server, tmp_path):
         server.outage()
         try:
             cut_at = steps()
-            wait_for(lambda: "waiting for checkpoint uploads" in log.read_text()
-                     and "checkpoint step5: attempt 1 failed" in log.read_text(), 240, "training to end while down")
+            wait_for(
+                lambda: (
+                    "waiting for checkpoint uploads" in log.read_text()
+                    and "checkpoint step5: attempt 1 failed" in log.read_text()
+                ),
+                240,
+                "training to end while down",
+            )
             assert steps() == 10 and cut_at < 5  # steps kept coming while the store was down
             assert json.loads((run_dir / "status.json").read_text())["state"] == "running"  # final sync pending
             time.sleep(2)

@@ -25,7 +25,9 @@ from tests.test_storage_e2e import MARKER, ArgvWatch, cli_env, objects
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 pytest.importorskip("deepspeed")
 GPUCTL = [sys.executable, "-m", "provision.cli"]
-EXTENSIONS = os.environ.get("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"))
+EXTENSIONS = os.environ.get(
+    "TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions")
+)
 
 
 def test_two_nodes_upload_with_handed_over_credentials(sshd: SSHD, tmp_path):  # noqa: F811
@@ -34,15 +36,27 @@ def test_two_nodes_upload_with_handed_over_credentials(sshd: SSHD, tmp_path):  #
     env = cli_env(tmp_path / "aws", tmp_path / "state")
     with MotoS3(log_dir=tmp_path) as server:
         bucket = server.make_bucket()
-        cfg = {"name": "s3two",
-               "provider": {"kind": "ssh", "hosts": [sshd.host("127.0.0.1"), sshd.host("127.0.0.2")],
-                            "identity_file": str(sshd.client_key), "python": sys.executable, "cpu_ranks": 1,
-                            "workdir": str(project / "node"), "authorized_keys": str(sshd.authorized_keys),
-                            "ready_timeout": 30},
-               "train": {"max_steps": 4, "checkpoint_every": 2, "seq_len": 64},
-               "storage": {"url": f"s3://{bucket}/two", "endpoint_url": server.endpoint, "region": "us-east-1",
-                           "profile": "gpuctl-e2e"},
-               "env": {"TORCH_EXTENSIONS_DIR": EXTENSIONS}}  # the ranks' shells start from sshd
+        cfg = {
+            "name": "s3two",
+            "provider": {
+                "kind": "ssh",
+                "hosts": [sshd.host("127.0.0.1"), sshd.host("127.0.0.2")],
+                "identity_file": str(sshd.client_key),
+                "python": sys.executable,
+                "cpu_ranks": 1,
+                "workdir": str(project / "node"),
+                "authorized_keys": str(sshd.authorized_keys),
+                "ready_timeout": 30,
+            },
+            "train": {"max_steps": 4, "checkpoint_every": 2, "seq_len": 64},
+            "storage": {
+                "url": f"s3://{bucket}/two",
+                "endpoint_url": server.endpoint,
+                "region": "us-east-1",
+                "profile": "gpuctl-e2e",
+            },
+            "env": {"TORCH_EXTENSIONS_DIR": EXTENSIONS},
+        }  # the ranks' shells start from sshd
         (project / "gpuctl.yaml").write_text(yaml.safe_dump(cfg))
 
         def gpuctl(*args: str) -> subprocess.CompletedProcess:

@@ -7,6 +7,7 @@ with cwd = the run dir, DS_ACCELERATOR=cpu, OMP_NUM_THREADS=1, PYTHONPATH = the 
 With no hostfile the runner launches locally and sets master_addr 127.0.0.1 itself; the CPU
 accelerator accepts any --num_gpus, so no --no_ssh_check / --master_addr is needed here.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def ds_config(micro_batch: int, grad_accum: int, world: int, precision: str = "fp32",
-              offload: bool = True, lr: float = 1e-3, stage: int = 2, scheduler: dict | None = None) -> dict:
+def ds_config(
+    micro_batch: int,
+    grad_accum: int,
+    world: int,
+    precision: str = "fp32",
+    offload: bool = True,
+    lr: float = 1e-3,
+    stage: int = 2,
+    scheduler: dict | None = None,
+) -> dict:
     """A ds_config like the rendered one: AdamW, ZeRO-2, CPU offload (or torch Adam without)."""
     params = {"lr": lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}
     if not offload:
@@ -29,33 +38,69 @@ def ds_config(micro_batch: int, grad_accum: int, world: int, precision: str = "f
     zero = {"stage": stage, "overlap_comm": False, "contiguous_gradients": True}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
-    config = {"train_batch_size": micro_batch * grad_accum * world, "train_micro_batch_size_per_gpu": micro_batch,
-              "gradient_accumulation_steps": grad_accum, "gradient_clipping": 1.0, "steps_per_print": 10**6,
-              "optimizer": {"type": "AdamW", "params": params}, "zero_optimization": zero,
-              "zero_allow_untested_optimizer": True, "wall_clock_breakdown": False,
-              "bf16": {"enabled": precision == "bf16"},
-              "fp16": {"enabled": precision == "fp16", "loss_scale": 0, "initial_scale_power": 16}}
+    config = {
+        "train_batch_size": micro_batch * grad_accum * world,
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": grad_accum,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**6,
+        "optimizer": {"type": "AdamW", "params": params},
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "wall_clock_breakdown": False,
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+    }
     if scheduler:
         config["scheduler"] = scheduler
     return config
 
 
-def make_run_dir(path: Path, world: int, grad_accum: int, micro_batch: int = 1, precision: str = "fp32",
-                 offload: bool = True, ds_extra: dict | None = None, **train) -> Path:
+def make_run_dir(
+    path: Path,
+    world: int,
+    grad_accum: int,
+    micro_batch: int = 1,
+    precision: str = "fp32",
+    offload: bool = True,
+    ds_extra: dict | None = None,
+    **train,
+) -> Path:
     """Write run.json + ds_config.json into path; train overrides run.json's train block."""
     path.mkdir(parents=True, exist_ok=True)
-    block = {"model": "tiny", "tokenizer": None, "data": "sample", "seq_len": 64, "micro_batch": micro_batch,
-             "grad_accum": grad_accum, "precision": precision, "zero_stage": 2,
-             "offload_optimizer": "cpu" if offload else "none", "lr": 1e-3, "warmup_steps": 0, "max_steps": 4,
-             "checkpoint_every": 0, "keep_local": 2, "seed": 1234, "gradient_checkpointing": False, "log_every": 1}
+    block = {
+        "model": "tiny",
+        "tokenizer": None,
+        "data": "sample",
+        "seq_len": 64,
+        "micro_batch": micro_batch,
+        "grad_accum": grad_accum,
+        "precision": precision,
+        "zero_stage": 2,
+        "offload_optimizer": "cpu" if offload else "none",
+        "lr": 1e-3,
+        "warmup_steps": 0,
+        "max_steps": 4,
+        "checkpoint_every": 0,
+        "keep_local": 2,
+        "seed": 1234,
+        "gradient_checkpointing": False,
+        "log_every": 1,
+    }
     storage = train.pop("storage", None)
     resume = train.pop("resume", None)
     block.update(train)
     config = ds_config(micro_batch, grad_accum, world, precision, offload, block["lr"])
     config.update(ds_extra or {})
     (path / "ds_config.json").write_text(json.dumps(config, indent=2))
-    run = {"run_id": path.name, "ds_config": "ds_config.json", "num_nodes": 1, "train": block,
-           "storage": storage, "resume": resume}
+    run = {
+        "run_id": path.name,
+        "ds_config": "ds_config.json",
+        "num_nodes": 1,
+        "train": block,
+        "storage": storage,
+        "resume": resume,
+    }
     (path / "run.json").write_text(json.dumps(run, indent=2))
     return path
 
@@ -75,8 +120,19 @@ def rank_env() -> dict[str, str]:
 
 
 def launch_command(world: int, port: int) -> list[str]:
-    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(world), "--no_local_rank",
-            "--master_port", str(port), "--module", "trainer", "run.json"]
+    return [
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        str(world),
+        "--no_local_rank",
+        "--master_port",
+        str(port),
+        "--module",
+        "trainer",
+        "run.json",
+    ]
 
 
 def launch(run_dir: Path, world: int, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -87,8 +143,14 @@ def launch(run_dir: Path, world: int, timeout: float = 300) -> subprocess.Comple
     """
     log = run_dir / "job.log"
     with log.open("w") as out:
-        proc = subprocess.Popen(launch_command(world, free_port()), cwd=run_dir, env=rank_env(),
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            launch_command(world, free_port()),
+            cwd=run_dir,
+            env=rank_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -7,6 +7,7 @@ fp16 parameters straight away, while one that loads in fp32 and casts afterwards
 `from_pretrained(path).half()` mistake) creates a full set of real fp32 parameters first. The
 second test runs that broken loader through the same detector and checks that it is caught.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -31,9 +32,16 @@ class _Tokenizer:  # build_model only asks a tokenizer for its length
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
-                                      max_position_embeddings=128)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("llama")
     transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)  # fp32 on disk
@@ -70,6 +78,7 @@ def test_fp16_load_from_folder_holds_no_fp32_copy(model_dir, monkeypatch):
 
 def test_detector_catches_fp32_then_half_loader(model_dir, monkeypatch):
     """The check above would fail for a loader that loads in fp32 and casts afterwards."""
+
     def broken(source, dtype):
         return transformers.AutoModelForCausalLM.from_pretrained(source).to(dtype)
 

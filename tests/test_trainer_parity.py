@@ -1,4 +1,5 @@
 """Data parallelism is exact: 3 ranks x grad_accum 4 == 1 rank x grad_accum 12 (real DeepSpeed, CPU, gloo)."""
+
 from __future__ import annotations
 
 import sys

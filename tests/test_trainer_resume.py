@@ -1,4 +1,5 @@
 """Resume continues exactly: same losses as an uninterrupted run (real DeepSpeed, 2 CPU ranks)."""
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,9 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     saved = tmp_path / "saved"
     shutil.copytree(full / "checkpoints" / f"step{AT}", saved / f"step{AT}")
     (saved / "latest").write_text(f"step{AT}")
-    resumed = h.make_run_dir(tmp_path / "resumed", world=WORLD, grad_accum=ACCUM, max_steps=STEPS,
-                             checkpoint_every=AT, resume=str(saved))
+    resumed = h.make_run_dir(
+        tmp_path / "resumed", world=WORLD, grad_accum=ACCUM, max_steps=STEPS, checkpoint_every=AT, resume=str(saved)
+    )
     proc = h.launch(resumed, WORLD)
     assert proc.returncode == 0, proc.stdout[-3000:]
     after = h.losses(resumed)
@@ -47,8 +49,9 @@ def test_resume_matches_uninterrupted_run(tmp_path):
 def test_resume_with_other_world_size_fails_clearly(tmp_path):
     saved = tmp_path / "saved"
     (saved / "step3").mkdir(parents=True)
-    (saved / "step3" / "trainer_state.json").write_text(json.dumps(
-        {"step": 3, "samples_seen": 12, "data_seed": 1234, "world_size": 3, "train_batch_size": 12}))
+    (saved / "step3" / "trainer_state.json").write_text(
+        json.dumps({"step": 3, "samples_seen": 12, "data_seed": 1234, "world_size": 3, "train_batch_size": 12})
+    )
     (saved / "latest").write_text("step3")
     run = h.make_run_dir(tmp_path / "run", world=1, grad_accum=4, resume=str(saved))
     proc = h.launch(run, 1)
@@ -66,8 +69,15 @@ def test_checkpoints_upload_prune_and_resume_from_store(tmp_path):
     from trainer.objstore.store import CheckpointStore
 
     storage = {"url": (tmp_path / "store").as_uri(), "endpoint_url": None, "region": None, "profile": None, "keep": 3}
-    first = h.make_run_dir(tmp_path / "first", world=WORLD, grad_accum=ACCUM, max_steps=STEPS, checkpoint_every=2,
-                           keep_local=1, storage=storage)
+    first = h.make_run_dir(
+        tmp_path / "first",
+        world=WORLD,
+        grad_accum=ACCUM,
+        max_steps=STEPS,
+        checkpoint_every=2,
+        keep_local=1,
+        storage=storage,
+    )
     proc = h.launch(first, WORLD)
     assert proc.returncode == 0, proc.stdout[-3000:]
     store = CheckpointStore.from_config(storage)
@@ -75,8 +85,15 @@ def test_checkpoints_upload_prune_and_resume_from_store(tmp_path):
     assert sorted(i.tag for i in store.list() if i.complete) == ["step2", "step4", "step6"]
     assert sorted(p.name for p in (first / "checkpoints").iterdir() if p.is_dir()) == [f"step{STEPS}"]
 
-    second = h.make_run_dir(tmp_path / "second", world=WORLD, grad_accum=ACCUM, max_steps=STEPS, checkpoint_every=2,
-                            storage=storage, resume="step4")
+    second = h.make_run_dir(
+        tmp_path / "second",
+        world=WORLD,
+        grad_accum=ACCUM,
+        max_steps=STEPS,
+        checkpoint_every=2,
+        storage=storage,
+        resume="step4",
+    )
     proc = h.launch(second, WORLD)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "downloaded checkpoint step4" in proc.stdout

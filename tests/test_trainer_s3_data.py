@@ -1,5 +1,6 @@
 """train.data from s3://: local rank 0 downloads the object into the run dir's cache, then the
 tokenize-once path takes it. Against moto's ThreadedMotoServer on loopback (no DeepSpeed launch)."""
+
 from __future__ import annotations
 
 import json

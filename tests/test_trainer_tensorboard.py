@@ -1,5 +1,6 @@
 """train.tensorboard: rendered into ds_config as DeepSpeed's monitor block, which DeepSpeed's own
 config parser accepts; without the optional tensorboard package the trainer warns once and goes on."""
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,9 @@ def free_port() -> int:
 
 def render(tmp_path, **train) -> dict:
     cfg = GpuctlConfig.model_validate({"train": {"grad_accum": 2, **train}})
-    spec = BundleSpec(run_id="20261202-111500-ab12", run_dir=str(tmp_path), nodes=[BundleNode("localhost", 1)],
-                      python="python3")
+    spec = BundleSpec(
+        run_id="20261202-111500-ab12", run_dir=str(tmp_path), nodes=[BundleNode("localhost", 1)], python="python3"
+    )
     render_bundle(cfg, spec, tmp_path)
     return json.loads((tmp_path / "ds_config.json").read_text())
 
@@ -51,8 +53,13 @@ def test_tensorboard_block_rendered_and_accepted_by_deepspeed(tmp_path):
     ds = render(tmp_path, tensorboard=True)
     block = {"enabled": True, "output_path": "tensorboard/", "job_name": "20261202-111500-ab12"}
     assert ds["tensorboard"] == block
-    out = subprocess.run([sys.executable, "-c", MONITOR_CHECK, str(tmp_path / "ds_config.json"), str(free_port())],
-                         check=False, capture_output=True, text=True, timeout=150)
+    out = subprocess.run(
+        [sys.executable, "-c", MONITOR_CHECK, str(tmp_path / "ds_config.json"), str(free_port())],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == block
     run = json.loads((tmp_path / "run.json").read_text())
@@ -74,7 +81,11 @@ def test_trainer_warns_once_without_the_tensorboard_package(monkeypatch):
     ds = {"tensorboard": {"enabled": True, "output_path": "tensorboard/", "job_name": "r"}}
     tensorboard_or_off(ds, said.append)
     assert ds["tensorboard"]["enabled"] is False  # DeepSpeed would raise ImportError on rank 0 otherwise
-    assert len(said) == 1 and said[0].startswith("warning: train.tensorboard is on") and "pip install tensorboard" in said[0]
+    assert (
+        len(said) == 1
+        and said[0].startswith("warning: train.tensorboard is on")
+        and "pip install tensorboard" in said[0]
+    )
     said.clear()
     tensorboard_or_off({"tensorboard": {"enabled": False}}, said.append)
     tensorboard_or_off({}, said.append)
@@ -91,8 +102,14 @@ def test_logged_steps_go_to_deepspeeds_monitor(tmp_path):
     events: list = []
     monitor = SimpleNamespace(enabled=True, write_events=events.extend)
     engine = SimpleNamespace(monitor=monitor, was_step_applied=lambda: True)
-    run = SimpleNamespace(geo=Batching(1, 2, 1, 8), params=1000, env=SimpleNamespace(world_size=1),
-                          peak_tflops=None, precision="fp32", engine=engine)
+    run = SimpleNamespace(
+        geo=Batching(1, 2, 1, 8),
+        params=1000,
+        env=SimpleNamespace(world_size=1),
+        peak_tflops=None,
+        precision="fp32",
+        engine=engine,
+    )
     pos = SimpleNamespace(step=3, samples_seen=6)
     record_step(run, MetricsLog(tmp_path, 5), RunStats(), pos, 1e-3, 2.5, None, 0.5)
     assert events == [("gpuctl/loss", 2.5, 3), ("gpuctl/lr", 1e-3, 3), ("gpuctl/tokens_per_s", 32.0, 3)]

@@ -1,4 +1,5 @@
 """Fast trainer tests (no DeepSpeed ranks): data order and sharding, tokenizer, config, metrics, checkpoints."""
+
 from __future__ import annotations
 
 import json
@@ -60,7 +61,7 @@ def test_each_epoch_visits_every_sample_once_and_orders_differ():
 def test_resume_position_continues_the_same_order():
     full = Sampler(37, 11).global_batch(0, 12 * 10)
     later = Sampler(37, 11).global_batch(12 * 4, 12 * 6)  # a fresh process resuming at step 4
-    assert list(later) == list(full[12 * 4:])
+    assert list(later) == list(full[12 * 4 :])
 
 
 # -- tokenizer ----------------------------------------------------------------------------------
@@ -134,8 +135,12 @@ def test_run_config_validation(tmp_path):
     cfg = parse_run_config(raw, tmp_path)
     assert cfg.train.max_steps == 5 and cfg.train.lr == 1.0 and cfg.resume is None and cfg.num_nodes == 1
     assert cfg.warnings == ("run.json: ignoring unknown key train.new_knob", "run.json: ignoring unknown key extra")
-    for bad, match in [({"max_steps": "5"}, "integer"), ({"max_steps": 0}, ">= 1"),
-                       ({"precision": "fp8"}, "precision"), ({"gradient_checkpointing": 1}, "true or false")]:
+    for bad, match in [
+        ({"max_steps": "5"}, "integer"),
+        ({"max_steps": 0}, ">= 1"),
+        ({"precision": "fp8"}, "precision"),
+        ({"gradient_checkpointing": 1}, "true or false"),
+    ]:
         with pytest.raises(TrainerError, match=match):
             parse_run_config({"ds_config": "ds.json", "train": bad}, tmp_path)
 
@@ -150,10 +155,20 @@ def test_dist_env_node_rank(monkeypatch):
 
 
 # -- metrics ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name,peak", [
-    ("NVIDIA GeForce RTX 4090", 165.2), ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA H100 80GB HBM3", 989.0),
-    ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H200", 989.0), ("NVIDIA L4", 121.0), ("NVIDIA A10G", 125.0),
-    ("NVIDIA L40S", None), (None, None)])
+@pytest.mark.parametrize(
+    "name,peak",
+    [
+        ("NVIDIA GeForce RTX 4090", 165.2),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA L4", 121.0),
+        ("NVIDIA A10G", 125.0),
+        ("NVIDIA L40S", None),
+        (None, None),
+    ],
+)
 def test_peak_table(name, peak):
     assert peak_tflops(name) == peak
 

@@ -3,6 +3,7 @@
 Exit codes: 0 done (summary.json state succeeded), 2 a known problem (one clear line on
 stderr: bad config, world-size mismatch, storage), 1 anything else (traceback, then a line).
 """
+
 from __future__ import annotations
 
 import sys

@@ -6,6 +6,7 @@ trainer_state.json, written next to the shards by each node's local rank 0:
 "seq_len"}. The same values go into DeepSpeed's client_state; the side file lets resume check
 the world size before DeepSpeed loads anything, and trainer.export rebuild the model.
 """
+
 from __future__ import annotations
 
 import json
@@ -72,11 +73,17 @@ class Checkpointer:
 
     def save(self, pos: Position, train_batch_size: int) -> str:
         tag = f"step{pos.step}"
-        state = {"step": pos.step, "samples_seen": pos.samples_seen, "data_seed": self.cfg.train.seed,
-                 "world_size": self.env.world_size, "train_batch_size": train_batch_size,
-                 # what trainer.export rebuilds the model from
-                 "model": self.cfg.train.model, "tokenizer": self.cfg.train.tokenizer,
-                 "seq_len": self.cfg.train.seq_len}
+        state = {
+            "step": pos.step,
+            "samples_seen": pos.samples_seen,
+            "data_seed": self.cfg.train.seed,
+            "world_size": self.env.world_size,
+            "train_batch_size": train_batch_size,
+            # what trainer.export rebuilds the model from
+            "model": self.cfg.train.model,
+            "tokenizer": self.cfg.train.tokenizer,
+            "seq_len": self.cfg.train.seq_len,
+        }
         self.engine.save_checkpoint(str(self.dir), tag=tag, client_state=state)
         if self.env.is_local_main:
             (self.dir / tag / STATE_FILE).write_text(json.dumps(state) + "\n")
@@ -108,7 +115,7 @@ class Checkpointer:
         tags = sorted(local_tags(self.dir))
         uploaded = self.uploader.uploaded_tags() if self.uploader is not None else None
         newest_up = max((step for step, tag in tags if uploaded and tag in uploaded), default=-1)
-        for step, tag in tags[:-self.cfg.train.keep_local]:
+        for step, tag in tags[: -self.cfg.train.keep_local]:
             if uploaded is None or tag in uploaded or step < newest_up:
                 shutil.rmtree(self.dir / tag, ignore_errors=True)
 
@@ -116,8 +123,7 @@ class Checkpointer:
 def local_tags(ckpt_dir: Path) -> list[tuple[int, str]]:
     if not ckpt_dir.is_dir():
         return []
-    return [(int(m.group(1)), p.name) for p in ckpt_dir.iterdir()
-            if p.is_dir() and (m := _TAG_STEP.match(p.name))]
+    return [(int(m.group(1)), p.name) for p in ckpt_dir.iterdir() if p.is_dir() and (m := _TAG_STEP.match(p.name))]
 
 
 def resume(engine, cfg: RunConfig, env: DistEnv, store, log: Callable[[str], None]) -> Position:
@@ -133,8 +139,10 @@ def resume(engine, cfg: RunConfig, env: DistEnv, store, log: Callable[[str], Non
     if load_path is None or not client_state:
         raise TrainerError(f"DeepSpeed could not load checkpoint {load_dir / tag}")
     if client_state.get("data_seed") != cfg.train.seed:
-        log(f"warning: checkpoint data_seed {client_state.get('data_seed')} != train.seed "
-            f"{cfg.train.seed}; the data order will not continue exactly")
+        log(
+            f"warning: checkpoint data_seed {client_state.get('data_seed')} != train.seed "
+            f"{cfg.train.seed}; the data order will not continue exactly"
+        )
     log(f"resumed from {load_dir / tag} at step {client_state['step']}")
     return Position(step=int(client_state["step"]), samples_seen=int(client_state["samples_seen"]))
 
@@ -196,5 +204,7 @@ def check_compatible(tag_dir: Path, env: DistEnv) -> None:
 
 
 def world_size_message(tag: str, saved: int, world: int) -> str:
-    return (f"checkpoint {tag} was saved by {saved} ranks but this run has {world}; resume needs the "
-            "same world size (or export the weights with zero_to_fp32 and start a new run from them)")
+    return (
+        f"checkpoint {tag} was saved by {saved} ranks but this run has {world}; resume needs the "
+        "same world size (or export the weights with zero_to_fp32 and start a new run from them)"
+    )

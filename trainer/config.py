@@ -3,6 +3,7 @@
 Every field has a comment saying what it means; `load_run_config` validates and raises
 TrainerError with one readable line when something is wrong.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -88,8 +89,11 @@ def _typed(cls, block: dict, where: str) -> tuple[dict, list[str]]:
         default = known[key].default
         if isinstance(default, bool) and not isinstance(value, bool):
             raise TrainerError(f"run.json: {where}.{key} must be true or false, got {value!r}")
-        if isinstance(default, int) and not isinstance(default, bool) and (
-                isinstance(value, bool) or not isinstance(value, int)):
+        if (
+            isinstance(default, int)
+            and not isinstance(default, bool)
+            and (isinstance(value, bool) or not isinstance(value, int))
+        ):
             raise TrainerError(f"run.json: {where}.{key} must be an integer, got {value!r}")
         if isinstance(default, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise TrainerError(f"run.json: {where}.{key} must be a number, got {value!r}")
@@ -117,9 +121,16 @@ def parse_run_config(raw: dict, run_dir: Path) -> RunConfig:
     num_nodes = raw.get("num_nodes", 1)
     if not isinstance(num_nodes, int) or num_nodes < 1:
         raise TrainerError(f"run.json: num_nodes must be an integer >= 1, got {num_nodes!r}")
-    return RunConfig(run_id=str(raw.get("run_id", "local")), ds_config=Path(raw["ds_config"]),
-                     num_nodes=num_nodes, train=train, storage=storage, resume=resume, run_dir=run_dir,
-                     warnings=tuple(f"run.json: ignoring unknown key {k}" for k in unknown))
+    return RunConfig(
+        run_id=str(raw.get("run_id", "local")),
+        ds_config=Path(raw["ds_config"]),
+        num_nodes=num_nodes,
+        train=train,
+        storage=storage,
+        resume=resume,
+        run_dir=run_dir,
+        warnings=tuple(f"run.json: ignoring unknown key {k}" for k in unknown),
+    )
 
 
 def load_run_config(path: Path) -> RunConfig:

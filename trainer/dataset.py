@@ -12,6 +12,7 @@
   at micro-step m takes slice (m * world + r) * micro_batch. So the global batch of a step is
   the same for any world size x grad_accum split (3 ranks x 4 == 1 rank x 12).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -45,11 +46,13 @@ def resolve_data(data: str, run_dir: Path) -> Path:
     return path
 
 
-def prepare_token_file(data: str, run_dir: Path, storage: dict | None, tokenizer,
-                       log: Callable[[str], None]) -> Path:
+def prepare_token_file(data: str, run_dir: Path, storage: dict | None, tokenizer, log: Callable[[str], None]) -> Path:
     """Local rank 0's part: fetch s3:// data into the cache, then tokenize once; returns the token file."""
-    source = remote_data.download(data, storage, run_dir / "cache", log) if remote_data.is_remote(data) \
+    source = (
+        remote_data.download(data, storage, run_dir / "cache", log)
+        if remote_data.is_remote(data)
         else resolve_data(data, run_dir)
+    )
     token_file = cache_path(source, tokenizer, run_dir / "cache")
     if not token_file.exists():
         tokenize_to_file(source, tokenizer, token_file, log)
@@ -72,9 +75,9 @@ def _jsonl_text(line: str, path: Path, lineno: int) -> str:
     try:
         text = json.loads(line).get("text") if line.strip() else ""
     except (json.JSONDecodeError, AttributeError):
-        raise TrainerError(f"{path.name}:{lineno}: not a JSON object with a \"text\" field") from None
+        raise TrainerError(f'{path.name}:{lineno}: not a JSON object with a "text" field') from None
     if not isinstance(text, str):
-        raise TrainerError(f"{path.name}:{lineno}: \"text\" must be a string")
+        raise TrainerError(f'{path.name}:{lineno}: "text" must be a string')
     return text
 
 
@@ -85,7 +88,7 @@ def _parquet_documents(path: Path) -> Iterator[str]:
         raise TrainerError(f"{path.name}: reading .parquet needs pyarrow (pip install pyarrow)") from None
     parquet = pq.ParquetFile(path)
     if "text" not in parquet.schema_arrow.names:
-        raise TrainerError(f"{path.name}: no \"text\" column (columns: {parquet.schema_arrow.names})")
+        raise TrainerError(f'{path.name}: no "text" column (columns: {parquet.schema_arrow.names})')
     for batch in parquet.iter_batches(columns=["text"], batch_size=ENCODE_CHUNK):
         yield from (t for t in batch.column(0).to_pylist() if t)
 
@@ -118,8 +121,7 @@ def tokenize_to_file(path: Path, tokenizer, out: Path, log: Callable[[str], None
             flat.astype(dtype).tofile(handle)
             done_docs, done_tokens = done_docs + len(chunk), done_tokens + flat.size
             if time.monotonic() >= next_report:
-                log(f"data: {done_docs} documents, {done_tokens / 1e6:.1f}M tokens "
-                    f"({time.monotonic() - started:.0f}s)")
+                log(f"data: {done_docs} documents, {done_tokens / 1e6:.1f}M tokens ({time.monotonic() - started:.0f}s)")
                 next_report = time.monotonic() + 10.0
     os.replace(tmp, out)
     log(f"data: {done_docs} documents, {done_tokens} tokens in {time.monotonic() - started:.1f}s")
@@ -144,11 +146,13 @@ class PackedTokens:
         self.block = seq_len + 1
         self.num_samples = len(self.tokens) // self.block
         if self.num_samples == 0:
-            raise TrainerError(f"data has {len(self.tokens)} tokens, fewer than one sample of "
-                               f"seq_len + 1 = {self.block}; use more data or a smaller seq_len")
+            raise TrainerError(
+                f"data has {len(self.tokens)} tokens, fewer than one sample of "
+                f"seq_len + 1 = {self.block}; use more data or a smaller seq_len"
+            )
 
     def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = np.stack([self.tokens[i * self.block:(i + 1) * self.block] for i in indices]).astype(np.int64)
+        rows = np.stack([self.tokens[i * self.block : (i + 1) * self.block] for i in indices]).astype(np.int64)
         blocks = torch.from_numpy(rows)
         return blocks[:, :-1], blocks[:, 1:]
 
@@ -177,4 +181,4 @@ class Sampler:
 def micro_slice(global_batch: np.ndarray, rank: int, micro: int, world: int, micro_batch: int) -> np.ndarray:
     """The part of a step's global batch that `rank` trains on at micro-step `micro`."""
     start = (micro * world + rank) * micro_batch
-    return global_batch[start:start + micro_batch]
+    return global_batch[start : start + micro_batch]

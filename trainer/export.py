@@ -12,6 +12,7 @@ offline. The checkpoint's trainer_state.json says which model it trained; --mode
 
 Exit codes: 0 written, 2 a known problem (one line on stderr).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -107,11 +108,17 @@ def export(args: argparse.Namespace) -> Path:
     model.config.use_cache = True  # off while training; generation wants it
     args.out_dir.mkdir(parents=True, exist_ok=True)
     # safetensors: the only format of transformers >= 5, an option before
-    safe = {"safe_serialization": True} if "safe_serialization" in inspect.signature(model.save_pretrained).parameters else {}
+    safe = (
+        {"safe_serialization": True}
+        if "safe_serialization" in inspect.signature(model.save_pretrained).parameters
+        else {}
+    )
     model.save_pretrained(args.out_dir, **safe)
     tokenizer.save_pretrained(args.out_dir)
-    log(f"wrote {train.model} at {args.tag} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
-        f"{args.dtype}) to {args.out_dir}")
+    log(
+        f"wrote {train.model} at {args.tag} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
+        f"{args.dtype}) to {args.out_dir}"
+    )
     return args.out_dir
 
 

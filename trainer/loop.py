@@ -4,6 +4,7 @@ Read it top to bottom: train() is the whole run, setup() builds the pieces, trai
 one optimizer step. DeepSpeed owns the optimizer, LR scheduler, precision and ZeRO (all
 from ds_config); this file owns the data order, the loss and the bookkeeping.
 """
+
 from __future__ import annotations
 
 import json
@@ -121,8 +122,9 @@ def train(cfg: RunConfig, env: DistEnv) -> dict:
     return summarize(run, stats, pos, ckpt.last_tag)
 
 
-def step_and_log(run: Session, sampler: Sampler, pos: Position, stats: RunStats,
-                 metrics: MetricsLog | None) -> Position:
+def step_and_log(
+    run: Session, sampler: Sampler, pos: Position, stats: RunStats, metrics: MetricsLog | None
+) -> Position:
     """One optimizer step and its bookkeeping (the unit that tokens/s measures); returns the new position."""
     train = run.cfg.train
     lr = run.engine.get_lr()[0]
@@ -157,17 +159,23 @@ def setup(cfg: RunConfig, env: DistEnv) -> Session:
     data = load_data(cfg, env, tokenizer)
     model = build_model(cfg.train, precision, tokenizer)
     params = count_params(model)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                      config=ds_config)
-    geo = Batching(engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
-                   env.world_size, cfg.train.seq_len)
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
+    )
+    geo = Batching(
+        engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(), env.world_size, cfg.train.seq_len
+    )
     if (geo.micro_batch, geo.grad_accum) != (cfg.train.micro_batch, cfg.train.grad_accum):
-        say(f"warning: ds_config runs micro_batch {geo.micro_batch} x grad_accum {geo.grad_accum}, "
-            f"run.json says {cfg.train.micro_batch} x {cfg.train.grad_accum}; following ds_config")
+        say(
+            f"warning: ds_config runs micro_batch {geo.micro_batch} x grad_accum {geo.grad_accum}, "
+            f"run.json says {cfg.train.micro_batch} x {cfg.train.grad_accum}; following ds_config"
+        )
     gpu_name = torch.cuda.get_device_name() if get_accelerator().device_name() == "cuda" else None
-    say(f"model {cfg.train.model}: {params / 1e6:.2f}M params, {precision}, vocab {len(tokenizer)}; "
+    say(
+        f"model {cfg.train.model}: {params / 1e6:.2f}M params, {precision}, vocab {len(tokenizer)}; "
         f"data {data.num_samples} samples of {cfg.train.seq_len} tokens; world {env.world_size}, "
-        f"global batch {geo.global_batch} ({geo.tokens_per_step} tokens/step)" + (f"; {gpu_name}" if gpu_name else ""))
+        f"global batch {geo.global_batch} ({geo.tokens_per_step} tokens/step)" + (f"; {gpu_name}" if gpu_name else "")
+    )
     return Session(cfg, env, engine, data, geo, params, precision, peak_tflops(gpu_name))
 
 
@@ -180,8 +188,10 @@ def tensorboard_or_off(ds_config: dict, say) -> None:
     try:
         import tensorboard  # noqa: F401
     except ImportError:
-        say("warning: train.tensorboard is on but the tensorboard package is not installed on the node "
-            "(pip install tensorboard); going on without TensorBoard logs")
+        say(
+            "warning: train.tensorboard is on but the tensorboard package is not installed on the node "
+            "(pip install tensorboard); going on without TensorBoard logs"
+        )
         block["enabled"] = False
 
 
@@ -189,8 +199,10 @@ def start_distributed(env: DistEnv, precision: str) -> None:
     """Join the process group: gloo for CPU ranks, the accelerator's backend (NCCL) otherwise."""
     accel = get_accelerator()
     if precision == "fp16" and accel.device_name() == "cpu" and not accel.is_fp16_supported():
-        raise TrainerError("fp16 is not supported by DeepSpeed on this CPU (no AVX512-FP16/AMX-FP16); "
-                           "use precision bf16 or fp32 for CPU runs")
+        raise TrainerError(
+            "fp16 is not supported by DeepSpeed on this CPU (no AVX512-FP16/AMX-FP16); "
+            "use precision bf16 or fp32 for CPU runs"
+        )
     if accel.device_name() != "cpu":
         accel.set_device(env.local_rank)  # before the first collective (the data barrier) under NCCL
     deepspeed.init_distributed(dist_backend=dist_backend())
@@ -223,8 +235,9 @@ def load_data(cfg: RunConfig, env: DistEnv, tokenizer) -> PackedTokens:
     """Local rank 0 downloads (s3://) and tokenizes once into a token file; every rank memory-maps it."""
     source = resolve_data(cfg.train.data, cfg.run_dir)  # every rank: the same one-line error for a bad path/url
     if env.is_local_main:
-        prepare_token_file(cfg.train.data, cfg.run_dir, cfg.storage, tokenizer,
-                           lambda m: print(f"trainer: {m}", flush=True))
+        prepare_token_file(
+            cfg.train.data, cfg.run_dir, cfg.storage, tokenizer, lambda m: print(f"trainer: {m}", flush=True)
+        )
     dist.barrier()
     token_file = cache_path(source, tokenizer, cfg.run_dir / "cache")
     return PackedTokens(token_file, len(tokenizer), cfg.train.seq_len)
@@ -257,17 +270,40 @@ def gather_stats(loss_sum: torch.Tensor, geo: Batching) -> tuple[float, list[flo
     return loss, ([round(t[1].item(), 3) for t in every] if on_gpu else None)
 
 
-def record_step(run: Session, metrics: MetricsLog, stats: RunStats, pos: Position, lr: float, loss: float,
-                mem: list[float] | None, seconds: float) -> None:
+def record_step(
+    run: Session,
+    metrics: MetricsLog,
+    stats: RunStats,
+    pos: Position,
+    lr: float,
+    loss: float,
+    mem: list[float] | None,
+    seconds: float,
+) -> None:
     rate = throughput(run.geo.tokens_per_step, seconds, run.params, run.env.world_size, run.peak_tflops)
-    metrics.write(StepRecord(step=pos.step, loss=loss, lr=lr, tokens=pos.samples_seen * run.geo.seq_len,
-                             tokens_per_s=round(rate.tokens_per_s, 1), step_time_s=round(seconds, 4),
-                             tflops_per_gpu=round(rate.tflops_per_gpu, 4), mfu=rate.mfu, peak_mem_gb=mem,
-                             skipped=run.precision == "fp16" and not run.engine.was_step_applied()))
+    metrics.write(
+        StepRecord(
+            step=pos.step,
+            loss=loss,
+            lr=lr,
+            tokens=pos.samples_seen * run.geo.seq_len,
+            tokens_per_s=round(rate.tokens_per_s, 1),
+            step_time_s=round(seconds, 4),
+            tflops_per_gpu=round(rate.tflops_per_gpu, 4),
+            mfu=rate.mfu,
+            peak_mem_gb=mem,
+            skipped=run.precision == "fp16" and not run.engine.was_step_applied(),
+        )
+    )
     monitor = getattr(run.engine, "monitor", None)
     if monitor is not None and monitor.enabled:  # DeepSpeed's monitors (TensorBoard): rank 0 writes
-        monitor.write_events([("gpuctl/loss", loss, pos.step), ("gpuctl/lr", lr, pos.step),
-                              ("gpuctl/tokens_per_s", rate.tokens_per_s, pos.step)])
+        monitor.write_events(
+            [
+                ("gpuctl/loss", loss, pos.step),
+                ("gpuctl/lr", lr, pos.step),
+                ("gpuctl/tokens_per_s", rate.tokens_per_s, pos.step),
+            ]
+        )
     stats.first_loss = loss if stats.first_loss is None else stats.first_loss
     stats.final_loss, stats.peak_mem_gb = loss, mem
 
@@ -280,12 +316,24 @@ def checkpoint_due(cfg: RunConfig, step: int) -> bool:
 def summarize(run: Session, stats: RunStats, pos: Position, last_tag: str | None) -> dict:
     tokens, seconds = stats.tokens_and_seconds()
     rate = throughput(tokens, seconds, run.params, run.env.world_size, run.peak_tflops)
-    return {"state": "succeeded", "run_id": run.cfg.run_id, "steps": pos.step, "start_step": stats.start_step,
-            "first_loss": stats.first_loss, "final_loss": stats.final_loss,
-            "tokens_per_s": round(rate.tokens_per_s, 1), "tflops_per_gpu": round(rate.tflops_per_gpu, 4),
-            "mfu": rate.mfu, "peak_mem_gb": stats.peak_mem_gb, "world_size": run.env.world_size,
-            "global_batch": run.geo.global_batch, "seq_len": run.geo.seq_len, "params": run.params,
-            "precision": run.precision, "last_checkpoint": last_tag}
+    return {
+        "state": "succeeded",
+        "run_id": run.cfg.run_id,
+        "steps": pos.step,
+        "start_step": stats.start_step,
+        "first_loss": stats.first_loss,
+        "final_loss": stats.final_loss,
+        "tokens_per_s": round(rate.tokens_per_s, 1),
+        "tflops_per_gpu": round(rate.tflops_per_gpu, 4),
+        "mfu": rate.mfu,
+        "peak_mem_gb": stats.peak_mem_gb,
+        "world_size": run.env.world_size,
+        "global_batch": run.geo.global_batch,
+        "seq_len": run.geo.seq_len,
+        "params": run.params,
+        "precision": run.precision,
+        "last_checkpoint": last_tag,
+    }
 
 
 def finish(cfg: RunConfig, env: DistEnv, summary: dict) -> None:
@@ -293,7 +341,9 @@ def finish(cfg: RunConfig, env: DistEnv, summary: dict) -> None:
     if env.is_main:
         write_summary(cfg.run_dir, summary)
         losses = " -> ".join(f"{v:.4f}" for v in (summary["first_loss"], summary["final_loss"]) if v is not None)
-        print(f"trainer: done: step {summary['steps']}, loss {losses or 'n/a'}, "
-              f"{summary['tokens_per_s']} tok/s", flush=True)
+        print(
+            f"trainer: done: step {summary['steps']}, loss {losses or 'n/a'}, {summary['tokens_per_s']} tok/s",
+            flush=True,
+        )
     if dist.is_initialized():
         dist.destroy_process_group()

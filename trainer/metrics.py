@@ -4,6 +4,7 @@ FLOPs per token = 6 x parameters (forward 2N + backward 4N; attention's extra FL
 left out, as in the usual MFU convention). MFU = achieved FLOP/s per GPU / the GPU's peak
 dense fp16/bf16 tensor FLOP/s from the table below. CPU ranks report no MFU (null).
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,11 @@ PEAK_TFLOPS: list[tuple[str, float, str]] = [
     (r"H100.*PCIe", 756.0, "NVIDIA H100 datasheet: H100 PCIe BF16/FP16 1,513 with sparsity -> 756 dense"),
     (r"H100", 989.0, "NVIDIA H100 datasheet: H100 SXM BF16/FP16 1,979 with sparsity -> 989 dense"),
     (r"A100", 312.0, "NVIDIA A100 datasheet: BF16/FP16 tensor 312 TFLOPS dense"),
-    (r"RTX 4090", 165.2, ("NVIDIA Ada Lovelace architecture whitepaper: RTX 4090 FP16/BF16 tensor, "
-                          "FP32 accumulate, 165.2 TFLOPS dense")),
+    (
+        r"RTX 4090",
+        165.2,
+        ("NVIDIA Ada Lovelace architecture whitepaper: RTX 4090 FP16/BF16 tensor, FP32 accumulate, 165.2 TFLOPS dense"),
+    ),
     (r"A10G", 125.0, "AWS G5 / NVIDIA A10 datasheet: BF16/FP16 tensor 125 TFLOPS dense"),
     (r"\bL4\b", 121.0, "NVIDIA L4 datasheet: BF16/FP16 tensor 242 TFLOPS with sparsity -> 121 dense"),
 ]
@@ -66,8 +70,10 @@ class StepRecord:
     time: float = field(default_factory=time.time)
 
     def line(self, max_steps: int) -> str:
-        text = (f"step {self.step}/{max_steps} loss {self.loss:.4f} lr {self.lr:.1e} "
-                f"tok/s {self.tokens_per_s:.0f} step_time {self.step_time_s:.2f}s")
+        text = (
+            f"step {self.step}/{max_steps} loss {self.loss:.4f} lr {self.lr:.1e} "
+            f"tok/s {self.tokens_per_s:.0f} step_time {self.step_time_s:.2f}s"
+        )
         if self.mfu is not None:
             text += f" tflops {self.tflops_per_gpu:.1f} mfu {100 * self.mfu:.1f}%"
         if self.peak_mem_gb:

@@ -5,6 +5,7 @@ Endpoint and region come from run.json["storage"] (the same store as the checkpo
 MinIO work); credentials from the AWS_* env that launch.sh loads from secrets.env. boto3 is
 imported only when s3:// data is used. Errors are one line and never show credentials.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,8 +29,9 @@ def parse_s3_url(data: str) -> tuple[str, str]:
     """s3://bucket/key -> (bucket, key); one clear TrainerError for anything else."""
     parsed = urlparse(data)
     if parsed.scheme != "s3":
-        raise TrainerError(f"train.data {data!r}: only s3:// remote data is supported; "
-                           "ship a local file or use s3://bucket/key")
+        raise TrainerError(
+            f"train.data {data!r}: only s3:// remote data is supported; ship a local file or use s3://bucket/key"
+        )
     key = parsed.path.lstrip("/")
     if not parsed.netloc or not key or key.endswith("/"):
         raise TrainerError(f"train.data {data!r}: expected s3://bucket/path/to/file(.txt|.jsonl|.parquet)")
@@ -52,8 +54,12 @@ def _client(storage: dict | None):
     except ImportError:
         raise TrainerError("s3:// train.data needs boto3 on the node (pip install boto3)") from None
     storage = storage or {}
-    config = Config(region_name=storage.get("region") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
-                    retries={"max_attempts": 4, "mode": "standard"}, connect_timeout=5, read_timeout=60)
+    config = Config(
+        region_name=storage.get("region") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+        retries={"max_attempts": 4, "mode": "standard"},
+        connect_timeout=5,
+        read_timeout=60,
+    )
     # profile stays None: credentials arrive as AWS_* env (docs/CONTRACTS.md)
     return boto3.session.Session().client("s3", endpoint_url=storage.get("endpoint_url") or None, config=config)
 
@@ -63,20 +69,24 @@ def _explain(exc: Exception, data: str, endpoint: str | None) -> TrainerError:
 
     where = f"{data}" + (f" (endpoint {endpoint})" if endpoint else "")
     if isinstance(exc, bx.NoCredentialsError):
-        return TrainerError(f"train.data {where}: no S3 credentials on the node (gpuctl ships AWS_* only "
-                            "when storage.url is s3://; use an s3:// storage.url on the same store)",
-                            everywhere=False)
+        return TrainerError(
+            f"train.data {where}: no S3 credentials on the node (gpuctl ships AWS_* only "
+            "when storage.url is s3://; use an s3:// storage.url on the same store)",
+            everywhere=False,
+        )
     if isinstance(exc, bx.ClientError):
         code = str(exc.response.get("Error", {}).get("Code", ""))
         if code in ("404", "NoSuchKey", "NotFound", "NoSuchBucket"):
             return TrainerError(f"train.data {where}: no such object", everywhere=False)
         if code in ("403", "AccessDenied", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
-            return TrainerError(f"train.data {where}: access denied ({code}); check the storage credentials",
-                                everywhere=False)
+            return TrainerError(
+                f"train.data {where}: access denied ({code}); check the storage credentials", everywhere=False
+            )
         return TrainerError(f"train.data {where}: S3 error {code}", everywhere=False)
     if isinstance(exc, (bx.EndpointConnectionError, bx.ConnectTimeoutError, bx.ReadTimeoutError)):
-        return TrainerError(f"train.data {where}: cannot reach the S3 endpoint ({type(exc).__name__})",
-                            everywhere=False)
+        return TrainerError(
+            f"train.data {where}: cannot reach the S3 endpoint ({type(exc).__name__})", everywhere=False
+        )
     return TrainerError(f"train.data {where}: download failed ({type(exc).__name__})", everywhere=False)
 
 

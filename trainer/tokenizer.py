@@ -7,6 +7,7 @@ any text round-trips exactly. It is wrapped as a transformers fast tokenizer, so
 `save_pretrained` / `AutoTokenizer.from_pretrained` work on it (ckpt pull --hf saves it
 next to the model). Other models use their own tokenizer through AutoTokenizer.
 """
+
 from __future__ import annotations
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -19,8 +20,9 @@ BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from the 256 byte values to printable unicode characters."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = {}, 0
     for byte in range(256):
         if byte in printable:
@@ -38,8 +40,9 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([BOS, EOS, PAD])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
-                                   model_max_length=1 << 30)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, model_max_length=1 << 30
+    )
 
 
 def load_tokenizer(train: TrainConfig):

@@ -12,8 +12,12 @@ import typer
 
 from provision.cli import boundary, ckpt, cluster, image, jobs, plan, report
 
-app = typer.Typer(help="Rent a few GPUs, train with DeepSpeed, sync checkpoints, tear down.",
-                  no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
+app = typer.Typer(
+    help="Rent a few GPUs, train with DeepSpeed, sync checkpoints, tear down.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
 app.add_typer(cluster.app)
 app.add_typer(jobs.app)
 app.add_typer(plan.app)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import typer
 
@@ -51,8 +52,10 @@ def _storage_error(exc: BaseException) -> GpuctlError | None:
 
 def _ssh_error(exc: BaseException) -> GpuctlError | None:
     if _is(exc, "paramiko", "BadHostKeyException"):
-        return RemoteError(f"SSH host key changed: {exc}",
-                           "if the machine was really reinstalled, `gpuctl forget-host HOST:PORT`; else do not connect")
+        return RemoteError(
+            f"SSH host key changed: {exc}",
+            "if the machine was really reinstalled, `gpuctl forget-host HOST:PORT`; else do not connect",
+        )
     if _is(exc, "paramiko", "SSHException"):
         return RemoteError(f"SSH: {exc}", "check the host, its key and provider.identity_file, then retry")
     return None
@@ -64,13 +67,16 @@ def _library_error(exc: BaseException) -> GpuctlError | None:
     if _is(exc, "provision.estimate.report", "ReportError"):
         return GpuctlError(str(exc), "let the run log a few steps, or name a run with metrics")
     if _is(exc, "filelock", "Timeout"):
-        return GpuctlError(f"another gpuctl holds the state lock ({getattr(exc, 'lock_file', '?')})",
-                           "wait for it to finish, or remove the lock file if no gpuctl is running")
+        return GpuctlError(
+            f"another gpuctl holds the state lock ({getattr(exc, 'lock_file', '?')})",
+            "wait for it to finish, or remove the lock file if no gpuctl is running",
+        )
     if _is(exc, "pydantic", "ValidationError"):
         first = exc.errors()[0]  # type: ignore[attr-defined]
         where = ".".join(str(p) for p in first["loc"]) or "(top level)"
-        return GpuctlError(f"invalid record: {where}: {first['msg']}",
-                           "GPUCTL_DEBUG=1 shows which file; fix or remove it")
+        return GpuctlError(
+            f"invalid record: {where}: {first['msg']}", "GPUCTL_DEBUG=1 shows which file; fix or remove it"
+        )
     return None
 
 
@@ -83,8 +89,7 @@ def as_gpuctl_error(exc: BaseException) -> GpuctlError | None:
         if mapped is not None:
             return mapped
     if isinstance(exc, UnicodeDecodeError):
-        return ConfigError(f"a file is not UTF-8 text ({exc.reason} at byte {exc.start})",
-                           "save it as UTF-8")
+        return ConfigError(f"a file is not UTF-8 text ({exc.reason} at byte {exc.start})", "save it as UTF-8")
     if isinstance(exc, OSError) and exc.strerror:
         where = f": {exc.filename}" if exc.filename else ""
         return GpuctlError(f"{exc.strerror}{where}", "check the path, its permissions and the free disk space")
@@ -98,7 +103,7 @@ def guard(func: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 (the boundary: everything is mapped or re-raised)
+        except Exception as exc:
             mapped = as_gpuctl_error(exc)
             if mapped is None or debug():
                 raise

@@ -32,8 +32,22 @@ def ls(config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
     store, _cfg = _store(config)
     infos = store.list()
     if as_json:
-        typer.echo(json.dumps([{"tag": i.tag, "step": i.step, "size": i.size, "complete": i.complete,
-                                "time": i.time, "world_size": i.world_size} for i in infos], indent=2))
+        typer.echo(
+            json.dumps(
+                [
+                    {
+                        "tag": i.tag,
+                        "step": i.step,
+                        "size": i.size,
+                        "complete": i.complete,
+                        "time": i.time,
+                        "world_size": i.world_size,
+                    }
+                    for i in infos
+                ],
+                indent=2,
+            )
+        )
         return
     from provision.cli.views import print_checkpoints
 
@@ -41,17 +55,19 @@ def ls(config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
 
 
 @app.command("pull")
-def pull(tag: Annotated[Optional[str], typer.Argument(help="tag (default: latest complete)")] = None,
-         config: ConfigOpt = None,
-         dest: Annotated[Path, typer.Option("--dest", "-d", help="where the ZeRO checkpoint goes")] = Path("checkpoints"),
-         hf: Annotated[Optional[Path], typer.Option("--hf", help="also write a Hugging Face model folder")] = None,
-         ) -> None:
+def pull(
+    tag: Annotated[Optional[str], typer.Argument(help="tag (default: latest complete)")] = None,
+    config: ConfigOpt = None,
+    dest: Annotated[Path, typer.Option("--dest", "-d", help="where the ZeRO checkpoint goes")] = Path("checkpoints"),
+    hf: Annotated[Optional[Path], typer.Option("--hf", help="also write a Hugging Face model folder")] = None,
+) -> None:
     """Download a checkpoint (verified), optionally as a from_pretrained-ready folder."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
     store, cfg = _store(config)
-    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                  TransferSpeedColumn(), transient=True) as bar:
+    with Progress(
+        "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(), transient=True
+    ) as bar:
         task = bar.add_task("download", total=None)
         info = store.download(tag, dest, progress=lambda done, total: bar.update(task, completed=done, total=total))
     say(f"pulled {info.tag} (step {info.step}, {info.size / 1e6:,.1f} MB) into {dest}")

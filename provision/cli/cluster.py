@@ -14,8 +14,10 @@ app = typer.Typer()
 
 
 @app.command()
-def init(path: Annotated[Path, typer.Argument(help="where to write")] = Path("gpuctl.yaml"),
-         force: Annotated[bool, typer.Option(help="overwrite an existing file")] = False) -> None:
+def init(
+    path: Annotated[Path, typer.Argument(help="where to write")] = Path("gpuctl.yaml"),
+    force: Annotated[bool, typer.Option(help="overwrite an existing file")] = False,
+) -> None:
     """Write a gpuctl.yaml for the local provider with every field present and commented."""
     from provision.core.errors import ConfigError
     from provision.flows.render import packaged_templates
@@ -27,8 +29,11 @@ def init(path: Annotated[Path, typer.Argument(help="where to write")] = Path("gp
 
 
 @app.command()
-def up(config: ConfigOpt = None, yes: YesOpt = False,
-       dry_run: Annotated[bool, typer.Option("--dry-run", help="show what would be created")] = False) -> None:
+def up(
+    config: ConfigOpt = None,
+    yes: YesOpt = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="show what would be created")] = False,
+) -> None:
     """Create (cloud) or connect (local, ssh) the cluster and record it."""
     from provision.flows import cluster
     from provision.providers.base import UpOptions
@@ -37,8 +42,9 @@ def up(config: ConfigOpt = None, yes: YesOpt = False,
 
 
 @app.command()
-def offers(config: ConfigOpt = None, as_json: JsonOpt = False,
-           limit: Annotated[int, typer.Option(help="rows to show")] = 15) -> None:
+def offers(
+    config: ConfigOpt = None, as_json: JsonOpt = False, limit: Annotated[int, typer.Option(help="rows to show")] = 15
+) -> None:
     """List the rentable machines that match the config's cloud provider, cheapest first."""
     from dataclasses import asdict
 
@@ -74,11 +80,18 @@ def down(config: ConfigOpt = None, yes: YesOpt = False, cluster: ClusterOpt = No
 
 
 @app.command(context_settings={"allow_interspersed_args": False})
-def ssh(command: Annotated[Optional[list[str]], typer.Argument(
+def ssh(
+    command: Annotated[
+        Optional[list[str]],
+        typer.Argument(
             help="one argument: a shell command line; several: a command and its arguments, passed verbatim; "
-                 "none: a login shell")] = None,
-        node: Annotated[int, typer.Option("--node", "-n", help="node index (0 = first)")] = 0,
-        config: ConfigOpt = None, cluster: ClusterOpt = None) -> None:
+            "none: a login shell"
+        ),
+    ] = None,
+    node: Annotated[int, typer.Option("--node", "-n", help="node index (0 = first)")] = 0,
+    config: ConfigOpt = None,
+    cluster: ClusterOpt = None,
+) -> None:
     """Open a shell (or run a command) on a node, checking the host key gpuctl pinned."""
     import subprocess
 
@@ -93,8 +106,12 @@ def forget_host(host: Annotated[str, typer.Argument(help="host, host:port or use
     from provision.transport.ssh.node import forget_host as forget
 
     removed = forget(host)
-    say(f"forgot {removed} pinned key(s) of {host}; the next `gpuctl up` pins the new one "
-        "(`gpuctl down` first if a cluster on it is still up)" if removed else f"no pinned key for {host}")
+    say(
+        f"forgot {removed} pinned key(s) of {host}; the next `gpuctl up` pins the new one "
+        "(`gpuctl down` first if a cluster on it is still up)"
+        if removed
+        else f"no pinned key for {host}"
+    )
 
 
 @app.command("run")

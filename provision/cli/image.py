@@ -13,8 +13,11 @@ TagOpt = Annotated[Optional[str], typer.Option("--tag", "-t", help="image name (
 
 
 @app.command("build")
-def build(config: ConfigOpt = None, tag: TagOpt = None,
-          push: Annotated[bool, typer.Option("--push", help="push to the registry after building")] = False) -> None:
+def build(
+    config: ConfigOpt = None,
+    tag: TagOpt = None,
+    push: Annotated[bool, typer.Option("--push", help="push to the registry after building")] = False,
+) -> None:
     """docker build the trainer image here (context: docker.context); --push uploads it."""
     from provision.flows import image
 
@@ -25,9 +28,13 @@ def build(config: ConfigOpt = None, tag: TagOpt = None,
 
 
 @app.command("ship")
-def ship(config: ConfigOpt = None, cluster: ClusterOpt = None,
-         how: Annotated[Optional[str], typer.Option(
-             "--how", help="pull | load | build | auto (default: docker.ship)")] = None) -> None:
+def ship(
+    config: ConfigOpt = None,
+    cluster: ClusterOpt = None,
+    how: Annotated[
+        Optional[str], typer.Option("--how", help="pull | load | build | auto (default: docker.ship)")
+    ] = None,
+) -> None:
     """Make every node of the cluster have the image; nodes that have it already are skipped."""
     from provision.core import state
     from provision.flows import image

@@ -39,12 +39,13 @@ def _planned_or_recorded(cfg: GpuctlConfig) -> ClusterRecord:
 
 
 @app.command()
-def train(config: ConfigOpt = None,
-          detach: Annotated[bool, typer.Option("--detach", "-d", help="return once the run started")] = False,
-          dry_run: Annotated[bool, typer.Option("--dry-run", help="render and print, start nothing")] = False,
-          resume: Annotated[bool, typer.Option("--resume", help="continue from the store's latest checkpoint")] = False,
-          resume_from: Annotated[Optional[str], typer.Option(help="continue from this checkpoint TAG")] = None,
-          ) -> None:
+def train(
+    config: ConfigOpt = None,
+    detach: Annotated[bool, typer.Option("--detach", "-d", help="return once the run started")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="render and print, start nothing")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="continue from the store's latest checkpoint")] = False,
+    resume_from: Annotated[Optional[str], typer.Option(help="continue from this checkpoint TAG")] = None,
+) -> None:
     """Run training on the cluster; follow the logs and exit with the run's exit code."""
     from provision.core import state
     from provision.core.config import check_batch
@@ -80,8 +81,9 @@ def _print_dry_run(cfg: GpuctlConfig, resume: Optional[str]) -> None:
 
 
 @app.command()
-def render(output: Annotated[Path, typer.Option("--output", "-o", help="bundle folder to write")],
-           config: ConfigOpt = None) -> None:
+def render(
+    output: Annotated[Path, typer.Option("--output", "-o", help="bundle folder to write")], config: ConfigOpt = None
+) -> None:
     """Write the run bundle (hostfile, ds_config.json, launch.sh, ...) without touching a machine."""
     from provision.core.credentials import StorageCredentials
     from provision.flows import job
@@ -97,8 +99,9 @@ def render(output: Annotated[Path, typer.Option("--output", "-o", help="bundle f
 
 
 @app.command()
-def status(run_id: RunArg = None, config: ConfigOpt = None, as_json: JsonOpt = False,
-           cluster: ClusterOpt = None) -> None:
+def status(
+    run_id: RunArg = None, config: ConfigOpt = None, as_json: JsonOpt = False, cluster: ClusterOpt = None
+) -> None:
     """Show the cluster and the newest (or given) run."""
     from provision.core import state
     from provision.core.errors import NotFoundError, RemoteError
@@ -112,11 +115,15 @@ def status(run_id: RunArg = None, config: ConfigOpt = None, as_json: JsonOpt = F
     except NotFoundError:
         run, result = None, None
     except RemoteError as exc:  # e.g. a cloud node that tore itself down (teardown, budget cap)
-        say(f"warning: cannot reach the node ({exc.message}); showing the last recorded state. "
-            "A node that deleted itself is forgotten by `gpuctl down`")
+        say(
+            f"warning: cannot reach the node ({exc.message}); showing the last recorded state. "
+            "A node that deleted itself is forgotten by `gpuctl down`"
+        )
         result = None
-    info = {"cluster": state.dump(record) if record else None,
-            "run": result.to_json() if result else (state.dump(run) if run else None)}
+    info = {
+        "cluster": state.dump(record) if record else None,
+        "run": result.to_json() if result else (state.dump(run) if run else None),
+    }
     if as_json:
         typer.echo(json.dumps(info, indent=2))
         return
@@ -126,8 +133,11 @@ def status(run_id: RunArg = None, config: ConfigOpt = None, as_json: JsonOpt = F
 
 
 @app.command()
-def logs(run_id: RunArg = None, config: ConfigOpt = None,
-         follow: Annotated[bool, typer.Option("--follow", "-f", help="keep following until the run ends")] = False) -> None:
+def logs(
+    run_id: RunArg = None,
+    config: ConfigOpt = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="keep following until the run ends")] = False,
+) -> None:
     """Print a run's job.log; -f follows it (also after a dropped connection)."""
     from provision.core import state
     from provision.flows import job

@@ -16,27 +16,39 @@ app = typer.Typer()
 
 
 @app.command()
-def plan(config: ConfigOpt = None,
-         model: Annotated[Optional[str], typer.Option(help="deepseek-7b, tiny, or an HF id gpuctl knows")] = None,
-         gpus: Annotated[Optional[int], typer.Option(help="GPUs per node")] = None,
-         nodes: Annotated[Optional[int], typer.Option(help="nodes")] = None,
-         gpu: Annotated[Optional[str], typer.Option(help="GPU model, e.g. 'RTX 4090', A100, H100")] = None,
-         gpu_mem: Annotated[Optional[float], typer.Option("--gpu-mem", help="GB per GPU")] = None,
-         zero_stage: Annotated[Optional[int], typer.Option("--zero-stage")] = None,
-         offload: Annotated[Optional[str], typer.Option(help="none | cpu")] = None,
-         micro_batch: Annotated[Optional[int], typer.Option("--micro-batch")] = None,
-         seq_len: Annotated[Optional[int], typer.Option("--seq-len")] = None,
-         checkpointing: Annotated[Optional[bool], typer.Option("--checkpointing/--no-checkpointing")] = None,
-         precision: Annotated[Optional[str], typer.Option(help="fp16 | bf16 | fp32")] = None,
-         as_json: Annotated[bool, typer.Option("--json", help="figures for scripts")] = False) -> None:
+def plan(
+    config: ConfigOpt = None,
+    model: Annotated[Optional[str], typer.Option(help="deepseek-7b, tiny, or an HF id gpuctl knows")] = None,
+    gpus: Annotated[Optional[int], typer.Option(help="GPUs per node")] = None,
+    nodes: Annotated[Optional[int], typer.Option(help="nodes")] = None,
+    gpu: Annotated[Optional[str], typer.Option(help="GPU model, e.g. 'RTX 4090', A100, H100")] = None,
+    gpu_mem: Annotated[Optional[float], typer.Option("--gpu-mem", help="GB per GPU")] = None,
+    zero_stage: Annotated[Optional[int], typer.Option("--zero-stage")] = None,
+    offload: Annotated[Optional[str], typer.Option(help="none | cpu")] = None,
+    micro_batch: Annotated[Optional[int], typer.Option("--micro-batch")] = None,
+    seq_len: Annotated[Optional[int], typer.Option("--seq-len")] = None,
+    checkpointing: Annotated[Optional[bool], typer.Option("--checkpointing/--no-checkpointing")] = None,
+    precision: Annotated[Optional[str], typer.Option(help="fp16 | bf16 | fp32")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="figures for scripts")] = False,
+) -> None:
     """GPU memory per rank, host RAM, fits or not, the closest config that fits, tokens/s."""
     from provision.estimate.plan import PlanInput, plan_to_json
     from provision.estimate.plan import plan as run_plan
 
     base = plan_defaults(load_if_present(config))
-    flags = dict(model=model, gpus_per_node=gpus, nodes=nodes, gpu=gpu, gpu_mem_gb=gpu_mem,
-                 zero_stage=zero_stage, offload_optimizer=offload, micro_batch=micro_batch,
-                 seq_len=seq_len, gradient_checkpointing=checkpointing, precision=precision)
+    flags = dict(
+        model=model,
+        gpus_per_node=gpus,
+        nodes=nodes,
+        gpu=gpu,
+        gpu_mem_gb=gpu_mem,
+        zero_stage=zero_stage,
+        offload_optimizer=offload,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        gradient_checkpointing=checkpointing,
+        precision=precision,
+    )
     base.update({k: v for k, v in flags.items() if v is not None})
     result = run_plan(PlanInput(**base))
     if as_json:
@@ -55,11 +67,17 @@ def plan_defaults(cfg: GpuctlConfig | None) -> dict[str, Any]:
         return {}
     prov, train = cfg.provider, cfg.train
     gpus = getattr(prov, "gpus_per_node", None) or getattr(prov, "cpu_ranks", None) or 1
-    out = dict(model=train.model, gpus_per_node=gpus, nodes=getattr(prov, "nodes", None) or
-               len(getattr(prov, "hosts", []) or [1]), zero_stage=train.zero_stage,
-               offload_optimizer=train.offload_optimizer, micro_batch=train.micro_batch,
-               seq_len=train.seq_len, gradient_checkpointing=train.gradient_checkpointing,
-               precision=train.precision)
+    out = dict(
+        model=train.model,
+        gpus_per_node=gpus,
+        nodes=getattr(prov, "nodes", None) or len(getattr(prov, "hosts", []) or [1]),
+        zero_stage=train.zero_stage,
+        offload_optimizer=train.offload_optimizer,
+        micro_batch=train.micro_batch,
+        seq_len=train.seq_len,
+        gradient_checkpointing=train.gradient_checkpointing,
+        precision=train.precision,
+    )
     if getattr(prov, "gpu", None):
         out["gpu"] = prov.gpu
     return out

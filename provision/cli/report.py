@@ -23,16 +23,24 @@ def _report_input(run_id: str | None) -> RunReportInput:
     record = state.load_run(run_id)
     metrics = load_run_metrics(job.fetch_results(record))
     gpus = record.world_size if record.accelerator == "cuda" else 0
-    return RunReportInput(metrics=metrics, world_size=record.world_size, gpus=gpus,
-                          micro_batch=record.micro_batch, grad_accum=record.grad_accum,
-                          train_batch_size=record.train_batch_size)
+    return RunReportInput(
+        metrics=metrics,
+        world_size=record.world_size,
+        gpus=gpus,
+        micro_batch=record.micro_batch,
+        grad_accum=record.grad_accum,
+        train_batch_size=record.train_batch_size,
+    )
 
 
 @app.command()
-def report(runs: Annotated[Optional[list[str]], typer.Argument(help="run ids (default: the newest)")] = None,
-           baseline: Annotated[Optional[str], typer.Option(help="1-GPU run id for scaling efficiency")] = None,
-           output: Annotated[Path, typer.Option("--output", "-o", help="folder for report.md and report.png")]
-           = Path("gpuctl-report")) -> None:
+def report(
+    runs: Annotated[Optional[list[str]], typer.Argument(help="run ids (default: the newest)")] = None,
+    baseline: Annotated[Optional[str], typer.Option(help="1-GPU run id for scaling efficiency")] = None,
+    output: Annotated[Path, typer.Option("--output", "-o", help="folder for report.md and report.png")] = Path(
+        "gpuctl-report"
+    ),
+) -> None:
     """A Markdown table like the seed article's and a PNG of loss and tokens/s over steps."""
     from provision.estimate.report import report_markdown, report_png
 

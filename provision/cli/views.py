@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -26,16 +26,26 @@ def print_status(info: dict) -> None:
     console = Console()
     cluster = info.get("cluster")
     if cluster:
-        table = Table("node", "slots", "accelerator", "address", title=f"cluster {cluster['name']} "
-                      f"({cluster['provider']}, up {_ago(cluster['created_at'])})")
+        table = Table(
+            "node",
+            "slots",
+            "accelerator",
+            "address",
+            title=f"cluster {cluster['name']} ({cluster['provider']}, up {_ago(cluster['created_at'])})",
+        )
         for node in cluster["nodes"]:
-            table.add_row(node["host"], str(node["slots"]), node.get("gpu_name") or node["accelerator"],
-                          f"{node['address']}:{node['port']}")
+            table.add_row(
+                node["host"],
+                str(node["slots"]),
+                node.get("gpu_name") or node["accelerator"],
+                f"{node['address']}:{node['port']}",
+            )
         console.print(table)
         if cluster.get("price_per_hour"):
             hours = (time.time() - cluster["created_at"]) / 3600
-            console.print(f"cost so far: ${cluster['price_per_hour'] * hours:.2f} "
-                          f"at ${cluster['price_per_hour']:.3f}/h")
+            console.print(
+                f"cost so far: ${cluster['price_per_hour'] * hours:.2f} at ${cluster['price_per_hour']:.3f}/h"
+            )
     else:
         console.print("no cluster is up (gpuctl up)")
     run = info.get("run")
@@ -44,13 +54,16 @@ def print_status(info: dict) -> None:
         return
     loss = run.get("final_loss")
     tps = run.get("tokens_per_s")
-    console.print(f"run {run['run_id']}: [bold]{run.get('state')}[/bold]"
-                  f"  step {run.get('steps') or 0}/{run.get('max_steps')}"
-                  f"  loss {loss:.4f}" if isinstance(loss, (int, float)) else
-                  f"run {run['run_id']}: {run.get('state')}", highlight=False)
+    console.print(
+        f"run {run['run_id']}: [bold]{run.get('state')}[/bold]"
+        f"  step {run.get('steps') or 0}/{run.get('max_steps')}"
+        f"  loss {loss:.4f}"
+        if isinstance(loss, (int, float))
+        else f"run {run['run_id']}: {run.get('state')}",
+        highlight=False,
+    )
     if isinstance(tps, (int, float)):
-        console.print(f"tokens/s {tps:,.0f}  world size {run.get('world_size')}"
-                      f"  batch {run.get('train_batch_size')}")
+        console.print(f"tokens/s {tps:,.0f}  world size {run.get('world_size')}  batch {run.get('train_batch_size')}")
 
 
 def print_offers(offers: list, title: str) -> None:
@@ -64,9 +77,15 @@ def print_offers(offers: list, title: str) -> None:
         return
     table = Table("offer", "GPUs", "$/h", "RAM GB", "disk GB", "where", "reliability", title=title)
     for o in offers:
-        table.add_row(o.id, f"{o.num_gpus} x {o.gpu_name}", f"{o.price_per_hour:.3f}",
-                      f"{o.ram_gb:.0f}" if o.ram_gb else "-", f"{o.disk_gb:.0f}" if o.disk_gb else "-",
-                      o.where or "-", f"{o.reliability:.3f}" if o.reliability is not None else "-")
+        table.add_row(
+            o.id,
+            f"{o.num_gpus} x {o.gpu_name}",
+            f"{o.price_per_hour:.3f}",
+            f"{o.ram_gb:.0f}" if o.ram_gb else "-",
+            f"{o.disk_gb:.0f}" if o.disk_gb else "-",
+            o.where or "-",
+            f"{o.reliability:.3f}" if o.reliability is not None else "-",
+        )
     console.print(table)
 
 
@@ -78,8 +97,14 @@ def print_checkpoints(infos: list[CheckpointInfo], latest: CheckpointInfo | None
     for i in infos:
         mark = " (latest)" if latest and latest.tag == i.tag else ""
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.time)) if i.time else "-"
-        table.add_row(i.tag + mark, str(i.step), f"{i.size / 1e6:,.1f} MB", "yes" if i.complete else "no",
-                      when, str(i.world_size or "-"))
+        table.add_row(
+            i.tag + mark,
+            str(i.step),
+            f"{i.size / 1e6:,.1f} MB",
+            "yes" if i.complete else "no",
+            when,
+            str(i.world_size or "-"),
+        )
     Console().print(table if infos else "no checkpoints yet")
 
 
@@ -91,13 +116,21 @@ def plan_table(result: PlanResult) -> RenderableType:
 
     mem, inp, ok = result.memory, result.input, result.fits
     where = f"{inp.gpus_per_node}x {result.gpu.name}" + (f" x {inp.nodes} nodes" if inp.nodes > 1 else "")
-    title = (f"{result.model.name} on {where}, ZeRO-{inp.zero_stage}, offload {inp.offload_optimizer}, "
-             f"{inp.precision}, micro {inp.micro_batch} x seq {inp.seq_len}"
-             f"{', checkpointing' if inp.gradient_checkpointing else ''}")
+    title = (
+        f"{result.model.name} on {where}, ZeRO-{inp.zero_stage}, offload {inp.offload_optimizer}, "
+        f"{inp.precision}, micro {inp.micro_batch} x seq {inp.seq_len}"
+        f"{', checkpointing' if inp.gradient_checkpointing else ''}"
+    )
     table = Table("per rank", Column("GB", justify="right"), title=title)
-    for label, gb in (("weights", mem.weights_gb), ("gradients", mem.grads_gb), ("optimizer states", mem.optimizer_gb),
-                      ("buffers", mem.buffers_gb), ("activations", mem.activations_gb),
-                      ("fragmentation", mem.fragmentation_gb), ("CUDA context", mem.cuda_context_gb)):
+    for label, gb in (
+        ("weights", mem.weights_gb),
+        ("gradients", mem.grads_gb),
+        ("optimizer states", mem.optimizer_gb),
+        ("buffers", mem.buffers_gb),
+        ("activations", mem.activations_gb),
+        ("fragmentation", mem.fragmentation_gb),
+        ("CUDA context", mem.cuda_context_gb),
+    ):
         table.add_row(label, f"{gb:.2f}")
     style = "bold " + ("green" if ok else "red")
     table.add_row("total", f"{mem.total_gb:.2f} / {result.gpu_capacity_gb:g}", style=style)

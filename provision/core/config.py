@@ -47,10 +47,14 @@ class SSHProvider(Strict):
     image: str | None = Field(None, description="container image for runtime docker")
     connect_timeout: float = Field(10, gt=0, le=600)
     ready_timeout: float = Field(120, gt=0, le=3600, description="retry a booting node until then")
-    workdir: str | None = Field(None, description="node folder for run dirs (same path on every node); "
-                                "default <first node's $HOME>/gpuctl")
-    authorized_keys: str = Field("~/.ssh/authorized_keys", description="file the nodes' sshd reads keys "
-                                 "from; with 2+ hosts gpuctl adds the cluster's own key there for pdsh")
+    workdir: str | None = Field(
+        None, description="node folder for run dirs (same path on every node); default <first node's $HOME>/gpuctl"
+    )
+    authorized_keys: str = Field(
+        "~/.ssh/authorized_keys",
+        description="file the nodes' sshd reads keys "
+        "from; with 2+ hosts gpuctl adds the cluster's own key there for pdsh",
+    )
 
     @field_validator("hosts")
     @classmethod
@@ -77,14 +81,19 @@ class CloudProvider(Strict):
     max_cost: float | None = Field(None, gt=0, description="node tears itself down after spending this")
     image: str = Field("ghcr.io/gpuctl/trainer:0.1.0", description="container image for the node")
     runtime: Literal["auto", "docker", "image", "none"] = Field(
-        "auto", description="auto: vast/runpod boot the image, aws runs it with docker")
+        "auto", description="auto: vast/runpod boot the image, aws runs it with docker"
+    )
     api_url: str | None = Field(None, description="vendor API base (a proxy or test server); default the vendor's")
     python: str = "python3"
     ready_timeout: float = Field(900, gt=0, le=7200, description="seconds a new node has to answer SSH")
     workdir: str | None = Field(None, description="node folder for run dirs; default $HOME/gpuctl")
     cpu_ranks_fallback: int | None = Field(
-        None, ge=1, le=64, description="a node that shows no GPU runs this many CPU ranks (test stand-ins); "
-        "None: a node without a visible GPU is an error and is terminated")
+        None,
+        ge=1,
+        le=64,
+        description="a node that shows no GPU runs this many CPU ranks (test stand-ins); "
+        "None: a node without a visible GPU is an error and is terminated",
+    )
 
 
 class VastProvider(CloudProvider):
@@ -110,12 +119,16 @@ class AWSProvider(CloudProvider):
     ami_name: str = "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) *"
     ami_owner: str = Field("amazon", description="describe_images Owners: amazon, self, or an account id")
     ami_id: str | None = Field(None, description="use this AMI instead of looking ami_name up")
-    key_name: str | None = Field(None, description="also let this existing EC2 key pair log in; gpuctl "
-                                 "itself always uses the cluster's own key (imported, or via user data)")
+    key_name: str | None = Field(
+        None,
+        description="also let this existing EC2 key pair log in; gpuctl "
+        "itself always uses the cluster's own key (imported, or via user data)",
+    )
     ssh_user: str = Field("ubuntu", description="login user of the AMI")
     ssh_cidr: str | None = Field(None, description="who may reach port 22; default your public IP/32")
-    price_per_hour: float | None = Field(None, gt=0, description="$/h per node for cost and caps; "
-                                         "default gpuctl's on-demand table for the type")
+    price_per_hour: float | None = Field(
+        None, gt=0, description="$/h per node for cost and caps; default gpuctl's on-demand table for the type"
+    )
 
 
 Provider = Annotated[
@@ -147,11 +160,14 @@ class TrainConfig(Strict):
     seed: int = Field(1234, ge=0)
     gradient_checkpointing: bool = False
     log_every: int = Field(1, ge=1)
-    tensorboard: bool = Field(False, description="DeepSpeed's TensorBoard monitor -> <run dir>/tensorboard/ "
-                                                 "(needs the tensorboard package on the node)")
+    tensorboard: bool = Field(
+        False,
+        description="DeepSpeed's TensorBoard monitor -> <run dir>/tensorboard/ "
+        "(needs the tensorboard package on the node)",
+    )
 
     @model_validator(mode="after")
-    def _warmup_fits(self) -> "TrainConfig":
+    def _warmup_fits(self) -> TrainConfig:
         if self.warmup_steps > self.max_steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) exceeds max_steps ({self.max_steps})")
         return self
@@ -179,11 +195,15 @@ class DockerConfig(Strict):
     """How runtime docker gets the image to a node and runs the launcher in it."""
 
     ship: Literal["auto", "pull", "load", "build"] = Field(
-        "auto", description="pull: from the registry; load: docker save | ssh | docker load of the "
-        "laptop's copy; build: build on the node; auto: load when the laptop has the image, else pull")
+        "auto",
+        description="pull: from the registry; load: docker save | ssh | docker load of the "
+        "laptop's copy; build: build on the node; auto: load when the laptop has the image, else pull",
+    )
     shm_size: str = Field("16g", pattern=r"^[0-9]+[bkmgBKMG]?$", description="docker run --shm-size")
-    ulimits: list[str] = Field(["memlock=-1", "stack=67108864"],
-                               description="docker run --ulimit values (NVIDIA's recommendation for training)")
+    ulimits: list[str] = Field(
+        ["memlock=-1", "stack=67108864"],
+        description="docker run --ulimit values (NVIDIA's recommendation for training)",
+    )
     mounts: list[str] = Field(default_factory=list, description="extra docker run -v SRC:DST[:ro]")
     run_args: list[str] = Field(default_factory=list, description="extra docker run arguments")
     context: str | None = Field(None, description="build context (default: gpuctl's own source tree)")
@@ -283,8 +303,9 @@ def load_config(path: Path | None = None) -> GpuctlConfig:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}:{where} is not valid YAML ({getattr(exc, 'problem', exc)})",
-                          "fix the YAML syntax") from None
+        raise ConfigError(
+            f"{path}:{where} is not valid YAML ({getattr(exc, 'problem', exc)})", "fix the YAML syntax"
+        ) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping of keys", "see `gpuctl init`")
     try:
@@ -298,22 +319,29 @@ def load_config(path: Path | None = None) -> GpuctlConfig:
 def _check_files(cfg: GpuctlConfig, path: Path) -> None:
     data = cfg.data_path()
     if data is not None and not data.is_file():
-        raise ConfigError(f"{path}: train.data: file {data} does not exist",
-                          "point train.data at a .txt/.jsonl/.parquet file, or use 'sample'")
+        raise ConfigError(
+            f"{path}: train.data: file {data} does not exist",
+            "point train.data at a .txt/.jsonl/.parquet file, or use 'sample'",
+        )
     if data is not None and data.suffix not in (".txt", ".jsonl", ".parquet"):
-        raise ConfigError(f"{path}: train.data: {data.name} is not .txt, .jsonl or .parquet",
-                          "convert the data or use 'sample'")
+        raise ConfigError(
+            f"{path}: train.data: {data.name} is not .txt, .jsonl or .parquet", "convert the data or use 'sample'"
+        )
     remote = cfg.train.data if cfg.train.data.startswith("s3://") else None
     if remote is not None and PurePosixPath(urlparse(remote).path).suffix not in (".txt", ".jsonl", ".parquet"):
-        raise ConfigError(f"{path}: train.data: {remote} is not a .txt, .jsonl or .parquet object",
-                          "point train.data at s3://bucket/path/file.jsonl (or .txt / .parquet)")
+        raise ConfigError(
+            f"{path}: train.data: {remote} is not a .txt, .jsonl or .parquet object",
+            "point train.data at s3://bucket/path/file.jsonl (or .txt / .parquet)",
+        )
     model = cfg.train.model
     if model.startswith((".", "/", "~")) and not Path(model).expanduser().exists():
         raise ConfigError(f"{path}: train.model: {model} does not exist", "give an HF id or a model folder")
     prov = cfg.provider
     if isinstance(prov, SSHProvider) and prov.identity_file:
         if not Path(prov.identity_file).expanduser().is_file():
-            raise ConfigError(f"{path}: provider.identity_file: {prov.identity_file} does not exist",
-                              "point it at your SSH private key")
+            raise ConfigError(
+                f"{path}: provider.identity_file: {prov.identity_file} does not exist",
+                "point it at your SSH private key",
+            )
     if isinstance(prov, LocalProvider) and prov.python and not shutil.which(prov.python):
         raise ConfigError(f"{path}: provider.python: {prov.python} not found", "give a python with torch")

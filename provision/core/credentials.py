@@ -42,20 +42,25 @@ def storage_credentials(storage: StorageConfig, data: str | None = None) -> Stor
         creds = session.get_credentials()
         frozen = creds.get_frozen_credentials() if creds is not None else None
     except bx.ProfileNotFound:
-        raise ConfigError(f"storage.profile {storage.profile!r} is not in your AWS config",
-                          "fix storage.profile, or add the profile with `aws configure --profile NAME`") from None
+        raise ConfigError(
+            f"storage.profile {storage.profile!r} is not in your AWS config",
+            "fix storage.profile, or add the profile with `aws configure --profile NAME`",
+        ) from None
     except bx.BotoCoreError as exc:  # SSO token expired, broken config file, role assumption refused
-        raise ConfigError(f"cannot resolve AWS credentials for storage {where}: {type(exc).__name__}",
-                          "refresh them (e.g. `aws sso login`) and retry") from None
+        raise ConfigError(
+            f"cannot resolve AWS credentials for storage {where}: {type(exc).__name__}",
+            "refresh them (e.g. `aws sso login`) and retry",
+        ) from None
     if frozen is None or not frozen.access_key or not frozen.secret_key:
         profile = f" (profile {storage.profile})" if storage.profile else ""
-        raise ConfigError(f"no AWS credentials found for storage {where}{profile}",
-                          "set storage.profile or AWS_PROFILE, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
+        raise ConfigError(
+            f"no AWS credentials found for storage {where}{profile}",
+            "set storage.profile or AWS_PROFILE, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
+        )
     env = {"AWS_ACCESS_KEY_ID": frozen.access_key, "AWS_SECRET_ACCESS_KEY": frozen.secret_key}
     if frozen.token:
         env["AWS_SESSION_TOKEN"] = frozen.token
     region = storage.region or session.region_name
     if region:
         env["AWS_DEFAULT_REGION"] = region
-    return StorageCredentials(env=env, method=getattr(creds, "method", None),
-                              expires=bool(frozen.token))
+    return StorageCredentials(env=env, method=getattr(creds, "method", None), expires=bool(frozen.token))

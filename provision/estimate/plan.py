@@ -44,6 +44,7 @@ class PlanError(ValueError):
 @dataclass(frozen=True)
 class ModelDims:
     """Llama-architecture dimensions (no biases, RMSNorm, SwiGLU MLP)."""
+
     name: str
     layers: int
     hidden: int
@@ -79,7 +80,7 @@ KNOWN_MODELS: dict[str, ModelDims] = {
 class GpuSpec:
     name: str
     peak_tflops_16bit: float  # dense fp16/bf16 tensor-core, fp32 accumulate
-    peak_tflops_fp32: float   # plain fp32 (no TF32)
+    peak_tflops_fp32: float  # plain fp32 (no TF32)
     mem_gb: float
     source: str
 
@@ -111,8 +112,13 @@ def find_gpu(name: str) -> GpuSpec:
 
 
 # --- DeepSpeed's estimators, mirrored formula for formula (deepspeed 0.19.8) ---------------------
-def zero2_model_states_mem(total_params: int, num_gpus_per_node: int = 1, num_nodes: int = 1,
-                           cpu_offload: bool = True, additional_buffer_factor: float = 1.5) -> tuple[int, int]:
+def zero2_model_states_mem(
+    total_params: int,
+    num_gpus_per_node: int = 1,
+    num_nodes: int = 1,
+    cpu_offload: bool = True,
+    additional_buffer_factor: float = 1.5,
+) -> tuple[int, int]:
     """(cpu_bytes, gpu_bytes) exactly as deepspeed...stage_1_and_2.estimate_zero2_model_states_mem_needs."""
     total_gpus = num_nodes * num_gpus_per_node
     if cpu_offload:
@@ -124,9 +130,16 @@ def zero2_model_states_mem(total_params: int, num_gpus_per_node: int = 1, num_no
     return int(cpu_mem), int(gpu_mem)
 
 
-def zero3_model_states_mem(total_params: int, largest_layer_params: int, num_gpus_per_node: int = 1,
-                           num_nodes: int = 1, cpu_offload: bool = True, cpu_offload_params: bool = True,
-                           zero_init: bool = True, additional_buffer_factor: float = 1.5) -> tuple[int, int, int]:
+def zero3_model_states_mem(
+    total_params: int,
+    largest_layer_params: int,
+    num_gpus_per_node: int = 1,
+    num_nodes: int = 1,
+    cpu_offload: bool = True,
+    cpu_offload_params: bool = True,
+    zero_init: bool = True,
+    additional_buffer_factor: float = 1.5,
+) -> tuple[int, int, int]:
     """(cpu, gpu, largest_layer_memory) exactly as deepspeed...stage3.estimate_zero3_model_states_mem_needs."""
     total_gpus = num_nodes * num_gpus_per_node
     gpus_factor = 1 / num_nodes
@@ -175,9 +188,13 @@ class PlanInput:
         for name in ("gpus_per_node", "nodes", "micro_batch", "seq_len", "reduce_bucket_size"):
             if getattr(self, name) < 1:
                 raise PlanError(f"plan: {name} must be >= 1, got {getattr(self, name)}")
-        for name, allowed in {"zero_stage": (0, 1, 2, 3), "offload_optimizer": ("none", "cpu"),
-                              "offload_param": ("none", "cpu"), "precision": ("fp16", "bf16", "fp32"),
-                              "attention": ("sdpa", "eager")}.items():
+        for name, allowed in {
+            "zero_stage": (0, 1, 2, 3),
+            "offload_optimizer": ("none", "cpu"),
+            "offload_param": ("none", "cpu"),
+            "precision": ("fp16", "bf16", "fp32"),
+            "attention": ("sdpa", "eager"),
+        }.items():
             if getattr(self, name) not in allowed:
                 raise PlanError(f"plan: {name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.offload_optimizer == "cpu" and self.zero_stage == 0:
@@ -200,6 +217,7 @@ class PlanInput:
 @dataclass(frozen=True)
 class GpuMemory:
     """Per-rank GPU memory, GB."""
+
     weights_gb: float
     grads_gb: float
     optimizer_gb: float
@@ -213,8 +231,13 @@ class GpuMemory:
 
     @property
     def total_gb(self) -> float:
-        return (self.model_states_bytes / GB + self.buffers_gb + self.activations_gb
-                + self.fragmentation_gb + self.cuda_context_gb)
+        return (
+            self.model_states_bytes / GB
+            + self.buffers_gb
+            + self.activations_gb
+            + self.fragmentation_gb
+            + self.cuda_context_gb
+        )
 
 
 @dataclass(frozen=True)
@@ -270,8 +293,9 @@ def _evaluate(inp: PlanInput) -> PlanResult:
     opt = 0.0 if off else opt_b * p / (1 if st == 0 else n)
     states = int(weights + grads + opt)
     if st == 3:
-        ds_cpu, ds_gpu, _ = zero3_model_states_mem(p, ll, inp.gpus_per_node, inp.nodes, off, off_p,
-                                                   inp.zero_init, inp.additional_buffer_factor)
+        ds_cpu, ds_gpu, _ = zero3_model_states_mem(
+            p, ll, inp.gpus_per_node, inp.nodes, off, off_p, inp.zero_init, inp.additional_buffer_factor
+        )
     else:
         ds_cpu, ds_gpu = zero2_model_states_mem(p, inp.gpus_per_node, inp.nodes, off, inp.additional_buffer_factor)
     if w == 2 and st >= 2:
@@ -283,36 +307,69 @@ def _evaluate(inp: PlanInput) -> PlanResult:
     act_ckpt, act_full = _activation_bytes(inp, m)
     act = act_ckpt if inp.gradient_checkpointing else act_full
     frag = inp.fragmentation * (states + buffers + act)
-    mem = GpuMemory(weights / GB, grads / GB, opt / GB, buffers / GB, act / GB, act_ckpt / GB, act_full / GB,
-                    frag / GB, inp.cuda_context_gb, states)
+    mem = GpuMemory(
+        weights / GB,
+        grads / GB,
+        opt / GB,
+        buffers / GB,
+        act / GB,
+        act_ckpt / GB,
+        act_full / GB,
+        frag / GB,
+        inp.cuda_context_gb,
+        states,
+    )
     spec = find_gpu(inp.gpu)
     capacity = inp.gpu_mem_gb if inp.gpu_mem_gb is not None else spec.mem_gb
     peak = (spec.peak_tflops_fp32 if w == 4 else spec.peak_tflops_16bit) * 1e12
     fpt = 6 * p * (8 / 6 if inp.gradient_checkpointing else 1)
     return PlanResult(
-        input=inp, model=m, params=p, gpu=spec, gpu_capacity_gb=capacity, memory=mem,
-        host_ram_gb=ds_cpu / GB, host_adam_states_gb=((16 + 2 * off_p) * p / inp.nodes if off else 0) / GB,
-        fits=mem.total_gb <= capacity, flops_per_token=fpt,
-        tokens_per_s_low=n * peak * inp.mfu_low / fpt, tokens_per_s_high=n * peak * inp.mfu_high / fpt,
-        flop_ceiling_tokens_per_s=n * peak / (6 * p))
+        input=inp,
+        model=m,
+        params=p,
+        gpu=spec,
+        gpu_capacity_gb=capacity,
+        memory=mem,
+        host_ram_gb=ds_cpu / GB,
+        host_adam_states_gb=((16 + 2 * off_p) * p / inp.nodes if off else 0) / GB,
+        fits=mem.total_gb <= capacity,
+        flops_per_token=fpt,
+        tokens_per_s_low=n * peak * inp.mfu_low / fpt,
+        tokens_per_s_high=n * peak * inp.mfu_high / fpt,
+        flop_ceiling_tokens_per_s=n * peak / (6 * p),
+    )
 
 
 def _candidates(inp: PlanInput):
     micros = sorted({inp.micro_batch} | {inp.micro_batch >> k for k in range(8) if inp.micro_batch >> k >= 1})
     seqs = sorted({inp.seq_len} | {inp.seq_len >> k for k in range(6) if inp.seq_len >> k >= 128})
-    for st, off, off_p, ckpt, mb, sl in itertools.product((0, 1, 2, 3), ("none", "cpu"), ("none", "cpu"),
-                                                          (False, True), micros, seqs):
+    for st, off, off_p, ckpt, mb, sl in itertools.product(
+        (0, 1, 2, 3), ("none", "cpu"), ("none", "cpu"), (False, True), micros, seqs
+    ):
         if (off == "cpu" and st == 0) or (off_p == "cpu" and (st != 3 or off != "cpu")):
             continue
-        yield replace(inp, zero_stage=st, offload_optimizer=off, offload_param=off_p,
-                      gradient_checkpointing=ckpt, micro_batch=mb, seq_len=sl)
+        yield replace(
+            inp,
+            zero_stage=st,
+            offload_optimizer=off,
+            offload_param=off_p,
+            gradient_checkpointing=ckpt,
+            micro_batch=mb,
+            seq_len=sl,
+        )
 
 
 def _changes(a: PlanInput, b: PlanInput) -> tuple[float, list[str]]:
     """Cost of moving from a to b (training math kept > speed kept > data changed) and what changes."""
     cost, out = 0.0, []
-    for name, unit in (("offload_optimizer", 1), ("zero_stage", 1), ("offload_param", 2),
-                       ("gradient_checkpointing", 1), ("micro_batch", 1), ("seq_len", 3)):
+    for name, unit in (
+        ("offload_optimizer", 1),
+        ("zero_stage", 1),
+        ("offload_param", 2),
+        ("gradient_checkpointing", 1),
+        ("micro_batch", 1),
+        ("seq_len", 3),
+    ):
         old, new = getattr(a, name), getattr(b, name)
         if old == new:
             continue
@@ -321,8 +378,10 @@ def _changes(a: PlanInput, b: PlanInput) -> tuple[float, list[str]]:
         else:
             steps = abs(old - new) + (new == 3) if name == "zero_stage" else 1
         cost += unit * steps
-        out.append(f"{name}={str(new).lower() if isinstance(new, bool) else new}"
-                   + (" (raise gradient_accumulation_steps to keep the batch)" if name == "micro_batch" else ""))
+        out.append(
+            f"{name}={str(new).lower() if isinstance(new, bool) else new}"
+            + (" (raise gradient_accumulation_steps to keep the batch)" if name == "micro_batch" else "")
+        )
     return cost, out
 
 
@@ -331,54 +390,77 @@ def _explain(r: PlanResult) -> list[str]:
     w = 4 if inp.precision == "fp32" else 2
     dtype = "fp32" if w == 4 else inp.precision
     off_staging = inp.offload_optimizer == "cpu" and inp.zero_stage in (1, 2)
-    lines = [f"{m.name}: {p / 1e9:.2f}e9 parameters (Llama: {m.layers} layers, hidden {m.hidden}, "
-             f"FFN {m.intermediate}, vocab {m.vocab}, {'tied' if m.tied_embeddings else 'untied'} embeddings)."]
+    lines = [
+        f"{m.name}: {p / 1e9:.2f}e9 parameters (Llama: {m.layers} layers, hidden {m.hidden}, "
+        f"FFN {m.intermediate}, vocab {m.vocab}, {'tied' if m.tied_embeddings else 'untied'} embeddings)."
+    ]
     if inp.zero_stage < 3:
         part = {0: "nothing", 1: "optimizer states", 2: "gradients and optimizer states"}[inp.zero_stage]
-        lines.append(f"Floor: ZeRO-{inp.zero_stage} partitions {part} across the {n} ranks, but every rank keeps "
-                     f"a full {dtype} copy of the parameters: {p / 1e9:.2f}e9 x {w} bytes = {w * p / GB:.1f} GB "
-                     f"(~{w * p / GB:.0f} GB) per GPU whatever the GPU count or offload. "
-                     "Only ZeRO-3 partitions the parameters.")
+        lines.append(
+            f"Floor: ZeRO-{inp.zero_stage} partitions {part} across the {n} ranks, but every rank keeps "
+            f"a full {dtype} copy of the parameters: {p / 1e9:.2f}e9 x {w} bytes = {w * p / GB:.1f} GB "
+            f"(~{w * p / GB:.0f} GB) per GPU whatever the GPU count or offload. "
+            "Only ZeRO-3 partitions the parameters."
+        )
     else:
-        lines.append(f"ZeRO-3 partitions the parameters: {mem.weights_gb:.1f} GB per rank = "
-                     f"{'none (offload_param=cpu)' if inp.offload_param == 'cpu' else f'{w}P/{n}'} + 4 x the "
-                     f"largest layer ({m.largest_layer_params / 1e6:.0f}M params) gathered; it costs an "
-                     f"extra all-gather of the weights in forward and backward.")
+        lines.append(
+            f"ZeRO-3 partitions the parameters: {mem.weights_gb:.1f} GB per rank = "
+            f"{'none (offload_param=cpu)' if inp.offload_param == 'cpu' else f'{w}P/{n}'} + 4 x the "
+            f"largest layer ({m.largest_layer_params / 1e6:.0f}M params) gathered; it costs an "
+            f"extra all-gather of the weights in forward and backward."
+        )
     if inp.offload_optimizer == "cpu":
-        lines.append(f"offload_optimizer=cpu keeps fp32 master + Adam momentum + variance + fp32 grads "
-                     f"(16 bytes/param = {r.host_adam_states_gb:.1f} GB per node, pinned) in host RAM; "
-                     f"the CPU runs Adam and the GPU keeps only {dtype} weights and buffers.")
+        lines.append(
+            f"offload_optimizer=cpu keeps fp32 master + Adam momentum + variance + fp32 grads "
+            f"(16 bytes/param = {r.host_adam_states_gb:.1f} GB per node, pinned) in host RAM; "
+            f"the CPU runs Adam and the GPU keeps only {dtype} weights and buffers."
+        )
     else:
-        lines.append(f"No offload: grads {mem.grads_gb:.1f} GB + fp32 master and Adam m/v {mem.optimizer_gb:.1f} GB "
-                     f"per rank on the GPU (DeepSpeed: 18 bytes/param, split over the ranks by ZeRO-2/3).")
-    lines.append(f"Activations, micro_batch {inp.micro_batch} x seq {inp.seq_len}: {mem.activations_ckpt_gb:.1f} GB "
-                 f"with gradient checkpointing, {mem.activations_full_gb:.1f} GB without (Korthikanti et al. "
-                 f"2022 count for Llama; {10 * inp.seq_len * inp.micro_batch * m.vocab / GB:.1f} GB of it is "
-                 f"the logits for vocab {m.vocab}). Using: "
-                 f"{'checkpointing' if inp.gradient_checkpointing else 'no checkpointing'}.")
-    lines.append(f"Buffers {mem.buffers_gb:.1f} GB: reduce bucket {inp.reduce_bucket_size:.0e} elements x {w} bytes, "
-                 f"the dense gradient of the largest tensor ({m.largest_layer_params / 1e6:.0f}M)"
-                 f"{' and its offload staging copy' if off_staging else ''}"
-                 f"; plus {mem.fragmentation_gb:.1f} GB fragmentation ({inp.fragmentation:.0%}) and "
-                 f"{mem.cuda_context_gb:.1f} GB CUDA context.")
-    verdict = (f"fits with {r.gpu_capacity_gb - mem.total_gb:.1f} GB to spare" if r.fits
-               else f"does NOT fit (over by {mem.total_gb - r.gpu_capacity_gb:.1f} GB)")
+        lines.append(
+            f"No offload: grads {mem.grads_gb:.1f} GB + fp32 master and Adam m/v {mem.optimizer_gb:.1f} GB "
+            f"per rank on the GPU (DeepSpeed: 18 bytes/param, split over the ranks by ZeRO-2/3)."
+        )
+    lines.append(
+        f"Activations, micro_batch {inp.micro_batch} x seq {inp.seq_len}: {mem.activations_ckpt_gb:.1f} GB "
+        f"with gradient checkpointing, {mem.activations_full_gb:.1f} GB without (Korthikanti et al. "
+        f"2022 count for Llama; {10 * inp.seq_len * inp.micro_batch * m.vocab / GB:.1f} GB of it is "
+        f"the logits for vocab {m.vocab}). Using: "
+        f"{'checkpointing' if inp.gradient_checkpointing else 'no checkpointing'}."
+    )
+    lines.append(
+        f"Buffers {mem.buffers_gb:.1f} GB: reduce bucket {inp.reduce_bucket_size:.0e} elements x {w} bytes, "
+        f"the dense gradient of the largest tensor ({m.largest_layer_params / 1e6:.0f}M)"
+        f"{' and its offload staging copy' if off_staging else ''}"
+        f"; plus {mem.fragmentation_gb:.1f} GB fragmentation ({inp.fragmentation:.0%}) and "
+        f"{mem.cuda_context_gb:.1f} GB CUDA context."
+    )
+    verdict = (
+        f"fits with {r.gpu_capacity_gb - mem.total_gb:.1f} GB to spare"
+        if r.fits
+        else f"does NOT fit (over by {mem.total_gb - r.gpu_capacity_gb:.1f} GB)"
+    )
     lines.append(f"Per rank {mem.total_gb:.1f} GB of {r.gpu_capacity_gb:g} GB on {r.gpu.name}: {verdict}.")
     est = "estimate_zero3_model_states_mem_needs" if inp.zero_stage == 3 else "estimate_zero2_model_states_mem_needs"
-    lines.append(f"Host RAM per node: {r.host_ram_gb:.1f} GB by DeepSpeed's {est} "
-                 f"(x{inp.additional_buffer_factor} buffer factor); rent hosts with at least that much.")
+    lines.append(
+        f"Host RAM per node: {r.host_ram_gb:.1f} GB by DeepSpeed's {est} "
+        f"(x{inp.additional_buffer_factor} buffer factor); rent hosts with at least that much."
+    )
     peak = r.gpu.peak_tflops_fp32 if w == 4 else r.gpu.peak_tflops_16bit
-    lines.append(f"Throughput: {n} x {peak:g} TFLOP/s x {inp.mfu_low:.0%}-{inp.mfu_high:.0%} / "
-                 f"({r.flops_per_token / p:.0f} x params) FLOPs per token"
-                 f"{' (6 + 2 recompute)' if inp.gradient_checkpointing else ''} = "
-                 f"{r.tokens_per_s_low:,.0f}-{r.tokens_per_s_high:,.0f} tokens/s "
-                 f"(FLOP ceiling {r.flop_ceiling_tokens_per_s:,.0f}; peak: {r.gpu.source}).")
+    lines.append(
+        f"Throughput: {n} x {peak:g} TFLOP/s x {inp.mfu_low:.0%}-{inp.mfu_high:.0%} / "
+        f"({r.flops_per_token / p:.0f} x params) FLOPs per token"
+        f"{' (6 + 2 recompute)' if inp.gradient_checkpointing else ''} = "
+        f"{r.tokens_per_s_low:,.0f}-{r.tokens_per_s_high:,.0f} tokens/s "
+        f"(FLOP ceiling {r.flop_ceiling_tokens_per_s:,.0f}; peak: {r.gpu.source})."
+    )
     if n > 1 and inp.zero_stage >= 1:
         every = "micro-step" if inp.zero_stage >= 2 else "optimizer step"
-        lines.append(f"Not modelled: every {every} reduces {w * p / GB:.1f} GB of gradients across ranks"
-                     f"{' (RTX 4090: PCIe only, no P2P)' if 'RTX' in r.gpu.name else ''}"
-                     f"{' and the CPU Adam step' if inp.offload_optimizer == 'cpu' else ''}; "
-                     "these can pull throughput below the range.")
+        lines.append(
+            f"Not modelled: every {every} reduces {w * p / GB:.1f} GB of gradients across ranks"
+            f"{' (RTX 4090: PCIe only, no P2P)' if 'RTX' in r.gpu.name else ''}"
+            f"{' and the CPU Adam step' if inp.offload_optimizer == 'cpu' else ''}; "
+            "these can pull throughput below the range."
+        )
     return lines
 
 
@@ -397,12 +479,16 @@ def plan(inp: PlanInput) -> PlanResult:
                 if best is None or key < best[0]:
                     best = (key, r, ch)
         if best is None:
-            why.append("Nothing fits, even ZeRO-3 with parameter offload, micro_batch 1 and short sequences: "
-                       "use GPUs with more memory or more GPUs.")
+            why.append(
+                "Nothing fits, even ZeRO-3 with parameter offload, micro_batch 1 and short sequences: "
+                "use GPUs with more memory or more GPUs."
+            )
         else:
             closest, changes = replace(best[1], why=_explain(best[1])), best[2]
-            why.append(f"Closest config that fits: {', '.join(changes)} -> {closest.memory.total_gb:.1f} GB "
-                       f"per rank, {closest.tokens_per_s_low:,.0f}-{closest.tokens_per_s_high:,.0f} tokens/s.")
+            why.append(
+                f"Closest config that fits: {', '.join(changes)} -> {closest.memory.total_gb:.1f} GB "
+                f"per rank, {closest.tokens_per_s_low:,.0f}-{closest.tokens_per_s_high:,.0f} tokens/s."
+            )
     return replace(result, why=why, closest=closest, closest_changes=changes)
 
 
@@ -412,18 +498,27 @@ def plan_to_json(result: PlanResult) -> dict:
     inp = dataclasses.asdict(result.input)
     inp["model"] = result.model.name if isinstance(result.input.model, str) else dataclasses.asdict(result.model)
     return {
-        "model": result.model.name, "params": result.params, "input": inp, "gpu": result.gpu.name,
-        "gpu_mem_gb": result.gpu_capacity_gb, "gpu_gb_per_rank": round(mem.total_gb, 3),
-        "gpu_breakdown_gb": {k.removesuffix("_gb"): round(v, 3) for k, v in dataclasses.asdict(mem).items()
-                             if k.endswith("_gb")} | {"model_states": round(mem.model_states_bytes / GB, 3)},
+        "model": result.model.name,
+        "params": result.params,
+        "input": inp,
+        "gpu": result.gpu.name,
+        "gpu_mem_gb": result.gpu_capacity_gb,
+        "gpu_gb_per_rank": round(mem.total_gb, 3),
+        "gpu_breakdown_gb": {
+            k.removesuffix("_gb"): round(v, 3) for k, v in dataclasses.asdict(mem).items() if k.endswith("_gb")
+        }
+        | {"model_states": round(mem.model_states_bytes / GB, 3)},
         "model_states_gpu_bytes": mem.model_states_bytes,
-        "host_ram_gb": round(result.host_ram_gb, 3), "host_adam_states_gb": round(result.host_adam_states_gb, 3),
+        "host_ram_gb": round(result.host_ram_gb, 3),
+        "host_adam_states_gb": round(result.host_adam_states_gb, 3),
         "fits": result.fits,
         "tokens_per_s": {"low": round(result.tokens_per_s_low, 1), "high": round(result.tokens_per_s_high, 1)},
         "flop_ceiling_tokens_per_s": round(result.flop_ceiling_tokens_per_s, 1),
-        "peak_tflops": result.gpu.peak_tflops_fp32 if result.input.precision == "fp32"
+        "peak_tflops": result.gpu.peak_tflops_fp32
+        if result.input.precision == "fp32"
         else result.gpu.peak_tflops_16bit,
-        "peak_source": result.gpu.source, "why": list(result.why),
+        "peak_source": result.gpu.source,
+        "why": list(result.why),
         "closest": plan_to_json(result.closest) if result.closest else None,
         "closest_changes": list(result.closest_changes),
     }

@@ -70,6 +70,7 @@ class RunMetrics:
 @dataclass(frozen=True)
 class RunReportInput:
     """One run to report: its metrics plus the facts from its record (gpuctl state)."""
+
     metrics: RunMetrics
     world_size: int
     gpus: int  # GPUs used in all; 0 = CPU ranks
@@ -132,11 +133,17 @@ def load_run_metrics(run_dir: str | Path) -> RunMetrics:
         if missing:
             raise ReportError(f"{path}:{lineno}: missing {', '.join(missing)}")
         by_step[int(obj["step"])] = MetricPoint(
-            step=int(obj["step"]), loss=float(obj["loss"]), tokens_per_s=float(obj["tokens_per_s"]),
-            step_time_s=float(obj["step_time_s"]), lr=_opt_float(obj, "lr"),
-            tokens=None if obj.get("tokens") is None else int(obj["tokens"]), time=_opt_float(obj, "time"),
-            tflops_per_gpu=_opt_float(obj, "tflops_per_gpu"), mfu=_opt_float(obj, "mfu"),
-            peak_mem_gb=_opt_float(obj, "peak_mem_gb"))
+            step=int(obj["step"]),
+            loss=float(obj["loss"]),
+            tokens_per_s=float(obj["tokens_per_s"]),
+            step_time_s=float(obj["step_time_s"]),
+            lr=_opt_float(obj, "lr"),
+            tokens=None if obj.get("tokens") is None else int(obj["tokens"]),
+            time=_opt_float(obj, "time"),
+            tflops_per_gpu=_opt_float(obj, "tflops_per_gpu"),
+            mfu=_opt_float(obj, "mfu"),
+            peak_mem_gb=_opt_float(obj, "peak_mem_gb"),
+        )
     if not by_step:
         raise ReportError(f"{path}: no steps logged yet")
     summary = None
@@ -174,9 +181,15 @@ def run_stats(run: RunReportInput, skip_steps: int | None = None) -> RunStats:
         notes.append("still running or ended without summary.json")
     elif summary.state and summary.state != "succeeded":
         notes.append(summary.state)
-    return RunStats(tokens_per_s=tps, steps_used=(kept[0].step, kept[-1].step), skipped=skip,
-                    peak_mem_gb=max(mems) if mems else None, mfu=sum(mfus) / len(mfus) if mfus else None,
-                    final_loss=points[-1].loss, notes=notes)
+    return RunStats(
+        tokens_per_s=tps,
+        steps_used=(kept[0].step, kept[-1].step),
+        skipped=skip,
+        peak_mem_gb=max(mems) if mems else None,
+        mfu=sum(mfus) / len(mfus) if mfus else None,
+        final_loss=points[-1].loss,
+        notes=notes,
+    )
 
 
 def _pick_baseline(runs: list[RunReportInput], run: RunReportInput) -> RunReportInput | None:
@@ -185,8 +198,9 @@ def _pick_baseline(runs: list[RunReportInput], run: RunReportInput) -> RunReport
     return ones[0] if ones else None
 
 
-def report_markdown(runs: list[RunReportInput], baseline: RunReportInput | None = None,
-                    skip_steps: int | None = None) -> str:
+def report_markdown(
+    runs: list[RunReportInput], baseline: RunReportInput | None = None, skip_steps: int | None = None
+) -> str:
     """The seed article's table for one or more runs: mode, batch size, tokens/s, memory per GPU, plus scaling
     efficiency against `baseline` (default: the 1-rank run of the same kind among `runs`, when there is one)."""
     if not runs:
@@ -211,22 +225,40 @@ def report_markdown(runs: list[RunReportInput], baseline: RunReportInput | None 
             eff = f"{st.tokens_per_s / (ratio * base_tps):.0%}" if base_tps > 0 else "n/a"
         mem = "n/a" if st.peak_mem_gb is None else f"{st.peak_mem_gb:.1f} GB"
         mode = run.mode + (f" ({'; '.join(st.notes)})" if st.notes else "")
-        row = [run.metrics.run_id, mode, str(run.batch_size), f"{st.tokens_per_s:,.0f}", mem, eff,
-               f"{st.final_loss:.4g}"]
+        row = [
+            run.metrics.run_id,
+            mode,
+            str(run.batch_size),
+            f"{st.tokens_per_s:,.0f}",
+            mem,
+            eff,
+            f"{st.final_loss:.4g}",
+        ]
         if show_mfu:
             row.insert(4, "n/a" if st.mfu is None else f"{st.mfu:.1%}")
         rows.append(row)
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
-    notes = [f"{r.metrics.run_id}: steps {stats[id(r)].steps_used[0]}-{stats[id(r)].steps_used[1]} "
-             f"(first {stats[id(r)].skipped} skipped as warm-up)" for r in runs]
-    lines += ["", "Tokens/s: steady-state total tokens / total step time; " + "; ".join(notes) + ".",
-              "Scaling efficiency: tokens/s_N / (N x tokens/s_1)."]
+    notes = [
+        f"{r.metrics.run_id}: steps {stats[id(r)].steps_used[0]}-{stats[id(r)].steps_used[1]} "
+        f"(first {stats[id(r)].skipped} skipped as warm-up)"
+        for r in runs
+    ]
+    lines += [
+        "",
+        "Tokens/s: steady-state total tokens / total step time; " + "; ".join(notes) + ".",
+        "Scaling efficiency: tokens/s_N / (N x tokens/s_1).",
+    ]
     return "\n".join(lines) + "\n"
 
 
-def report_png(runs: list[RunReportInput], path: str | Path, skip_steps: int | None = None,
-               size_in: tuple[float, float] = (12.0, 4.5), dpi: int = 100) -> Path:
+def report_png(
+    runs: list[RunReportInput],
+    path: str | Path,
+    skip_steps: int | None = None,
+    size_in: tuple[float, float] = (12.0, 4.5),
+    dpi: int = 100,
+) -> Path:
     """Two panels, loss over steps and tokens/s over steps (steady-state mean dashed); size_in x dpi pixels."""
     if not runs:
         raise ReportError("no runs to plot")

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
-from provision.flows import job
 from provision.core import state
 from provision.core.config import GpuctlConfig, check_batch
 from provision.core.errors import GpuctlError, RemoteError
+from provision.flows import job
 from provision.providers import backend
 from provision.providers.base import UpOptions
 
@@ -64,8 +64,10 @@ def down(name: str, say: Callable[[str], None] = print) -> bool:
             state.update_run(run.run_id, state="lost")
             continue
         if not stopped:
-            raise GpuctlError(f"run {run.run_id} on {name} did not stop",
-                              f"retry `gpuctl down`, or stop process group {run.pgid} on the node")
+            raise GpuctlError(
+                f"run {run.run_id} on {name} did not stop",
+                f"retry `gpuctl down`, or stop process group {run.pgid} on the node",
+            )
     provider.down(cluster, say)
     state.delete_cluster(name)
     from provision.transport.ssh import sshconfig
@@ -78,19 +80,22 @@ def down(name: str, say: Callable[[str], None] = print) -> bool:
 def planned(cfg: GpuctlConfig) -> state.ClusterRecord:
     """The cluster `up` would record, without touching a machine (for render and dry runs)."""
     from provision.core.config import LocalProvider, SSHProvider
-    from provision.providers.local import node_python, visible_gpus
     from provision.providers.base import resolve_runtime
+    from provision.providers.local import node_python, visible_gpus
 
     prov = cfg.provider
     if isinstance(prov, LocalProvider):
         gpus = visible_gpus()
         slots = prov.gpus_per_node or len(gpus) or prov.cpu_ranks
         accel = "cuda" if (prov.gpus_per_node or gpus) else "cpu"
-        node = state.NodeRecord(host="localhost", slots=slots, accelerator=accel,
-                                gpu_name=gpus[0] if gpus else None,
-                                workdir=str(state.state_dir() / "local-node"))
-        return state.ClusterRecord(name=cfg.cluster_name, provider="local", nodes=[node],
-                                   python=node_python(prov))
+        node = state.NodeRecord(
+            host="localhost",
+            slots=slots,
+            accelerator=accel,
+            gpu_name=gpus[0] if gpus else None,
+            workdir=str(state.state_dir() / "local-node"),
+        )
+        return state.ClusterRecord(name=cfg.cluster_name, provider="local", nodes=[node], python=node_python(prov))
     if isinstance(prov, SSHProvider):
         from provision.providers.ssh_hosts import hostfile_names, targets
 
@@ -98,14 +103,38 @@ def planned(cfg: GpuctlConfig) -> state.ClusterRecord:
         home = "/root" if found[0].user == "root" else f"/home/{found[0].user}"  # a guess; `up` asks the node
         workdir = (prov.workdir or "gpuctl").replace("~/", "", 1)
         workdir = workdir if workdir.startswith("/") else f"{home}/{workdir}"  # one path on every node
-        nodes = [state.NodeRecord(host=name, address=t.address, port=t.port, user=t.user,
-                                  slots=prov.gpus_per_node or prov.cpu_ranks,
-                                  accelerator="cuda" if prov.gpus_per_node else "cpu", workdir=workdir)
-                 for t, name in zip(found, hostfile_names(found))]
+        nodes = [
+            state.NodeRecord(
+                host=name,
+                address=t.address,
+                port=t.port,
+                user=t.user,
+                slots=prov.gpus_per_node or prov.cpu_ranks,
+                accelerator="cuda" if prov.gpus_per_node else "cpu",
+                workdir=workdir,
+            )
+            for t, name in zip(found, hostfile_names(found))
+        ]
         docker = prov.runtime == "docker"  # auto depends on the node; `up` decides
-        return state.ClusterRecord(name=cfg.cluster_name, provider="ssh", nodes=nodes, python=prov.python,
-                                   runtime="docker" if docker else "none", image=prov.image if docker else None)
-    nodes = [state.NodeRecord(host=f"node{i}", slots=prov.gpus_per_node, accelerator="cuda",
-                              gpu_name=prov.gpu, workdir="/root/gpuctl") for i in range(prov.nodes)]
-    return state.ClusterRecord(name=cfg.cluster_name, provider=prov.kind, nodes=nodes,
-                               python=prov.python, image=prov.image, runtime=resolve_runtime(prov.runtime, prov.kind))
+        return state.ClusterRecord(
+            name=cfg.cluster_name,
+            provider="ssh",
+            nodes=nodes,
+            python=prov.python,
+            runtime="docker" if docker else "none",
+            image=prov.image if docker else None,
+        )
+    nodes = [
+        state.NodeRecord(
+            host=f"node{i}", slots=prov.gpus_per_node, accelerator="cuda", gpu_name=prov.gpu, workdir="/root/gpuctl"
+        )
+        for i in range(prov.nodes)
+    ]
+    return state.ClusterRecord(
+        name=cfg.cluster_name,
+        provider=prov.kind,
+        nodes=nodes,
+        python=prov.python,
+        image=prov.image,
+        runtime=resolve_runtime(prov.runtime, prov.kind),
+    )

@@ -21,9 +21,18 @@ from provision.providers.base import DEFAULT_IMAGE
 
 # Credentials the trainer or the hub may need. A name the host does not have is not set in
 # the container (docker's `-e NAME` semantics), so passing the whole list is harmless.
-PASS_THROUGH = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION",
-                "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_PROFILE", "HF_TOKEN",
-                "HUGGING_FACE_HUB_TOKEN", "PYTHONUNBUFFERED")
+PASS_THROUGH = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_ENDPOINT_URL",
+    "AWS_PROFILE",
+    "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN",
+    "PYTHONUNBUFFERED",
+)
 
 
 @dataclass
@@ -85,17 +94,30 @@ def docker_run_for(cfg, cluster, spec) -> DockerRun:
     from provision.flows.render import rank_env
 
     if len(spec.nodes) > 1:
-        raise ConfigError("provider.runtime docker runs one node for now (multi-node needs sshd in "
-                          "the containers for DeepSpeed's pdsh launcher)",
-                          "use runtime none with the image's packages on the hosts, or one node")
+        raise ConfigError(
+            "provider.runtime docker runs one node for now (multi-node needs sshd in "
+            "the containers for DeepSpeed's pdsh launcher)",
+            "use runtime none with the image's packages on the hosts, or one node",
+        )
     docker = cfg.docker
     first = cluster.nodes[0]
     cache = f"{first.workdir.rstrip('/')}/cache"
-    fixed = {"PYTHONPATH": f"{spec.run_dir}/lib:/opt/gpuctl", "HF_HOME": f"{cache}/huggingface",
-             "TORCH_EXTENSIONS_DIR": f"{cache}/torch_extensions"}
+    fixed = {
+        "PYTHONPATH": f"{spec.run_dir}/lib:/opt/gpuctl",
+        "HF_HOME": f"{cache}/huggingface",
+        "TORCH_EXTENSIONS_DIR": f"{cache}/torch_extensions",
+    }
     names = set(rank_env(cfg, spec)) | set(spec.secrets) | set(PASS_THROUGH)
-    return DockerRun(image=cluster.image or DEFAULT_IMAGE, run_dir=spec.run_dir,
-                     name=container_name(spec.run_id), gpus=first.accelerator == "cuda",
-                     shm_size=docker.shm_size, ulimits=list(docker.ulimits), cache_dir=cache, mounts=list(docker.mounts),
-                     env_names=sorted(names - set(fixed)), env_values=fixed,
-                     extra_args=list(docker.run_args))
+    return DockerRun(
+        image=cluster.image or DEFAULT_IMAGE,
+        run_dir=spec.run_dir,
+        name=container_name(spec.run_id),
+        gpus=first.accelerator == "cuda",
+        shm_size=docker.shm_size,
+        ulimits=list(docker.ulimits),
+        cache_dir=cache,
+        mounts=list(docker.mounts),
+        env_names=sorted(names - set(fixed)),
+        env_values=fixed,
+        extra_args=list(docker.run_args),
+    )

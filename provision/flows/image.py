@@ -21,13 +21,13 @@ import subprocess
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 from provision.core.errors import ConfigError, GpuctlError, RemoteError
-from provision.transport.remote import CommandResult, LocalNode, Node
 from provision.providers.base import DEFAULT_IMAGE
+from provision.transport.remote import CommandResult, LocalNode, Node
 from provision.transport.stream import pipe_into
 
 Say = Callable[[str], None]
@@ -48,6 +48,7 @@ class ShipResult:
 
 # --- inspecting -----------------------------------------------------------------------------
 
+
 def image_id(node: Node, image: str) -> str | None:
     """The image's ID (sha256 of its config) on node, or None when it is not there."""
     result = _docker(node, ["image", "inspect", "--format", "{{.Id}}", image], check=False)
@@ -61,8 +62,9 @@ def image_label(node: Node, image: str, label: str) -> str | None:
     return value if result.rc == 0 and value not in ("", "<no value>") else None
 
 
-def _docker(node: Node, args: list[str], *, check: bool = True, stdin: bytes | None = None,
-            timeout: float | None = 300) -> CommandResult:
+def _docker(
+    node: Node, args: list[str], *, check: bool = True, stdin: bytes | None = None, timeout: float | None = 300
+) -> CommandResult:
     try:
         result = node.run(["docker", *args], check=False, stdin=stdin, timeout=timeout)
     except FileNotFoundError:
@@ -75,6 +77,7 @@ def _docker(node: Node, args: list[str], *, check: bool = True, stdin: bytes | N
 
 
 # --- registry -------------------------------------------------------------------------------
+
 
 def registry_of(image: str) -> str | None:
     """The registry host of an image reference; None for Docker Hub."""
@@ -107,6 +110,7 @@ def logout(node: Node, image: str) -> None:
 
 # --- building here --------------------------------------------------------------------------
 
+
 def source_tree() -> Path:
     return Path(__file__).resolve().parents[2]  # provision/flows/image.py -> the source tree
 
@@ -117,8 +121,10 @@ def build_context(cfg) -> tuple[Path, str]:
     if not context.is_absolute():
         context = (cfg.base_dir / context).resolve()
     if not (context / cfg.docker.dockerfile).is_file():
-        raise ConfigError(f"no {cfg.docker.dockerfile} in {context}",
-                          "set docker.context to a folder with the Dockerfile (gpuctl's source tree)")
+        raise ConfigError(
+            f"no {cfg.docker.dockerfile} in {context}",
+            "set docker.context to a folder with the Dockerfile (gpuctl's source tree)",
+        )
     return context, cfg.docker.dockerfile
 
 
@@ -132,14 +138,29 @@ def build(cfg, image: str, *, push: bool = False, say: Say = print) -> str:
     """`docker build` here with the context as is; optionally push. Returns the image ID."""
     context, dockerfile = build_context(cfg)
     try:
-        rev = subprocess.run(["git", "-C", str(context), "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, timeout=30).stdout.strip() or "unknown"
+        rev = (
+            subprocess.run(
+                ["git", "-C", str(context), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=30
+            ).stdout.strip()
+            or "unknown"
+        )
     except (OSError, subprocess.SubprocessError):
         rev = "unknown"  # no git here, or not a checkout
     from provision import __version__ as version
 
-    argv = ["docker", "build", "-t", image, "-f", str(context / dockerfile),
-            "--build-arg", f"VCS_REF={rev}", "--build-arg", f"GPUCTL_VERSION={version}", str(context)]
+    argv = [
+        "docker",
+        "build",
+        "-t",
+        image,
+        "-f",
+        str(context / dockerfile),
+        "--build-arg",
+        f"VCS_REF={rev}",
+        "--build-arg",
+        f"GPUCTL_VERSION={version}",
+        str(context),
+    ]
     _run_here(argv, say)
     if push:
         here = LocalNode()
@@ -158,8 +179,9 @@ def build(cfg, image: str, *, push: bool = False, say: Say = print) -> str:
 def _run_here(argv: list[str], say: Say) -> None:
     """Run a local docker command, its output (stdout and stderr, BuildKit's) line by line to say."""
     try:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL
+        )
     except FileNotFoundError:
         raise GpuctlError("docker is not installed here", "install Docker (apt-get install docker.io)") from None
     tail: list[str] = []
@@ -172,8 +194,8 @@ def _run_here(argv: list[str], say: Say) -> None:
 
 # --- shipping -------------------------------------------------------------------------------
 
-def ship(node: Node, image: str, how: str, *, cfg=None, say: Say = print,
-         progress: bool = True) -> ShipResult:
+
+def ship(node: Node, image: str, how: str, *, cfg=None, say: Say = print, progress: bool = True) -> ShipResult:
     """Make node have image; skip when it already has the same one. See the module docstring."""
     started = time.monotonic()
     local_id = _local_id(image, required=how == "load") if how in ("auto", "load") else None
@@ -181,8 +203,10 @@ def ship(node: Node, image: str, how: str, *, cfg=None, say: Say = print,
         how = "load" if local_id else "pull"
     if how == "load":
         if local_id is None:
-            raise GpuctlError(f"{image} is not in this machine's docker engine",
-                              "run `gpuctl image build` first, or set docker.ship: pull")
+            raise GpuctlError(
+                f"{image} is not in this machine's docker engine",
+                "run `gpuctl image build` first, or set docker.ship: pull",
+            )
         if image_id(node, image) == local_id:
             say(f"{node.label}: has {image} ({local_id[:19]}), skipping the transfer")
             return ShipResult(node.label, "skipped", local_id)
@@ -224,8 +248,9 @@ def _local_id(image: str, *, required: bool) -> str | None:
         return None  # no docker here at all: `auto` pulls on the node
 
 
-def ship_cluster(cfg, cluster, say: Say = print, nodes: list[Node] | None = None,
-                 how: str | None = None) -> list[ShipResult]:
+def ship_cluster(
+    cfg, cluster, say: Say = print, nodes: list[Node] | None = None, how: str | None = None
+) -> list[ShipResult]:
     """Ship the cluster's image to every node (no-op unless its runtime is docker)."""
     if cluster.runtime != "docker":
         return []
@@ -234,8 +259,7 @@ def ship_cluster(cfg, cluster, say: Say = print, nodes: list[Node] | None = None
     own = nodes is None
     nodes = backend(cluster.provider).nodes(cluster) if own else nodes
     try:
-        return [ship(node, image_name(cfg, cluster), how or cfg.docker.ship, cfg=cfg, say=say)
-                for node in nodes]
+        return [ship(node, image_name(cfg, cluster), how or cfg.docker.ship, cfg=cfg, say=say) for node in nodes]
     finally:
         if own:
             for node in nodes:
@@ -244,16 +268,22 @@ def ship_cluster(cfg, cluster, say: Say = print, nodes: list[Node] | None = None
 
 def _progress(total: int | None, what: str):
     from rich.console import Console
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                               TransferSpeedColumn)
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                   TimeRemainingColumn(), console=Console(stderr=True))
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+    )
     return bar, bar.add_task(what, total=total)
 
 
-def _stream(chunks: Iterator[bytes], node: Node, argv: list[str], total: int | None, what: str,
-            progress: bool) -> tuple[int, str]:
+def _stream(
+    chunks: Iterator[bytes], node: Node, argv: list[str], total: int | None, what: str, progress: bool
+) -> tuple[int, str]:
     sent = 0
 
     def count(n: int) -> None:
@@ -284,8 +314,14 @@ def _load(node: Node, image: str, say: Say, progress: bool) -> int:
             yield data
 
     try:
-        sent, _ = _stream(chunks(), node, ["docker", "load"], int(size) if size.isdigit() else None,
-                          f"{image} -> {node.label}", progress)
+        sent, _ = _stream(
+            chunks(),
+            node,
+            ["docker", "load"],
+            int(size) if size.isdigit() else None,
+            f"{image} -> {node.label}",
+            progress,
+        )
     finally:
         proc.stdout.close()
         err = proc.stderr.read().decode(errors="replace")
@@ -305,28 +341,36 @@ def _build_on(node: Node, image: str, cfg, say: Say, progress: bool, started: fl
         size = tar.tell()
         tar.seek(0)
         say(f"{node.label}: building {image} there from {context} ({size} bytes of context)")
-        argv = ["docker", "build", "-t", image, "--label", f"{CONTEXT_LABEL}={digest}",
-                "-f", dockerfile, "-"]
-        sent, _ = _stream(iter(lambda: tar.read(CHUNK), b""), node, argv, size, f"context -> {node.label}",
-                          progress)
+        argv = ["docker", "build", "-t", image, "--label", f"{CONTEXT_LABEL}={digest}", "-f", dockerfile, "-"]
+        sent, _ = _stream(iter(lambda: tar.read(CHUNK), b""), node, argv, size, f"context -> {node.label}", progress)
     return ShipResult(node.label, "built", image_id(node, image), sent, time.monotonic() - started)
 
 
 # --- the build context ----------------------------------------------------------------------
 
+
 def _ignore_rules(context: Path) -> list[tuple[re.Pattern, int, bool, str]]:
     """.dockerignore -> (regex, path components, negated, literal prefix), in file order."""
     path = context / ".dockerignore"
     rules = []
-    for raw in (path.read_text().splitlines() if path.is_file() else []):
+    for raw in path.read_text().splitlines() if path.is_file() else []:
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
         negate = line.startswith("!")
         pattern = os.path.normpath(line.lstrip("!").strip()).lstrip("/")
-        regex = "".join(r"(?:.*/)?" if part == "**/" else ".*" if part == "**" else "[^/]*" if part == "*"
-                        else "[^/]" if part == "?" else re.escape(part)
-                        for part in re.findall(r"\*\*/|\*\*|\*|\?|[^*?]+", pattern))
+        regex = "".join(
+            r"(?:.*/)?"
+            if part == "**/"
+            else ".*"
+            if part == "**"
+            else "[^/]*"
+            if part == "*"
+            else "[^/]"
+            if part == "?"
+            else re.escape(part)
+            for part in re.findall(r"\*\*/|\*\*|\*|\?|[^*?]+", pattern)
+        )
         prefix = re.split(r"[*?\[]", pattern)[0]
         rules.append((re.compile(regex, re.S), len(pattern.split("/")), negate, prefix))
     return rules
@@ -351,8 +395,12 @@ def context_files(context: Path, dockerfile: str) -> list[str]:
         base = os.path.relpath(folder, context)
         base = "" if base == "." else base + "/"
         # skip an ignored folder unless a `!pattern` could re-include something inside it
-        dirs[:] = [d for d in dirs if not _ignored(base + d, rules)
-                   or any(not p or p.startswith(base + d + "/") or (base + d).startswith(p) for p in negations)]
+        dirs[:] = [
+            d
+            for d in dirs
+            if not _ignored(base + d, rules)
+            or any(not p or p.startswith(base + d + "/") or (base + d).startswith(p) for p in negations)
+        ]
         found.update(base + f for f in files if not _ignored(base + f, rules))
     return sorted(found)
 

@@ -10,17 +10,17 @@ import json
 import re
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from provision.core import state
 from provision.core.config import GpuctlConfig, check_batch
 from provision.core.credentials import StorageCredentials, storage_credentials
 from provision.core.errors import ConfigError, GpuctlError, NotFoundError, RemoteError
+from provision.flows.render import BundleNode, BundleSpec, render_bundle
 from provision.providers import backend
 from provision.transport.remote import Node
-from provision.flows.render import BundleNode, BundleSpec, render_bundle
 
 TERMINAL = ("succeeded", "failed", "cancelled", "lost")
 POLL_S = 0.5
@@ -38,20 +38,34 @@ def budget_left_s(cluster: state.ClusterRecord) -> int:
     """Seconds until the cluster's budget cap (max_hours, max_cost at its price) is spent."""
     left = cluster.created_at + cluster.budget_hours * 3600 - time.time()
     if left < 1:
-        raise GpuctlError(f"cluster {cluster.name} has spent its budget cap ({cluster.budget_hours:.2f} h)",
-                          "`gpuctl down`, or raise provider.max_hours / max_cost and `gpuctl up` again")
+        raise GpuctlError(
+            f"cluster {cluster.name} has spent its budget cap ({cluster.budget_hours:.2f} h)",
+            "`gpuctl down`, or raise provider.max_hours / max_cost and `gpuctl up` again",
+        )
     return int(left)
 
 
-def bundle_spec(cfg: GpuctlConfig, cluster: state.ClusterRecord, run_id: str,
-                resume: str | None = None, *, credentials: StorageCredentials | None = None) -> BundleSpec:
+def bundle_spec(
+    cfg: GpuctlConfig,
+    cluster: state.ClusterRecord,
+    run_id: str,
+    resume: str | None = None,
+    *,
+    credentials: StorageCredentials | None = None,
+) -> BundleSpec:
     """credentials: the node's storage credentials (default: resolved now from boto3's chain)."""
     first = cluster.nodes[0]
     prov = cfg.provider
-    spec = BundleSpec(run_id=run_id, run_dir=run_dir_of(first.workdir, run_id),
-                      nodes=[BundleNode(n.host, n.slots) for n in cluster.nodes],
-                      python=cluster.python, accelerator=first.accelerator, gpu_name=first.gpu_name,
-                      resume=resume, setup=getattr(prov, "setup", None))
+    spec = BundleSpec(
+        run_id=run_id,
+        run_dir=run_dir_of(first.workdir, run_id),
+        nodes=[BundleNode(n.host, n.slots) for n in cluster.nodes],
+        python=cluster.python,
+        accelerator=first.accelerator,
+        gpu_name=first.gpu_name,
+        resume=resume,
+        setup=getattr(prov, "setup", None),
+    )
     if len(cluster.nodes) > 1:
         from provision.transport.ssh.mesh import node_ssh_config
 
@@ -77,16 +91,19 @@ def bundle_spec(cfg: GpuctlConfig, cluster: state.ClusterRecord, run_id: str,
     return spec
 
 
-def start_run(cfg: GpuctlConfig, cluster: state.ClusterRecord, *, resume: str | None = None,
-              say: Callable[[str], None] = print) -> state.RunRecord:
+def start_run(
+    cfg: GpuctlConfig, cluster: state.ClusterRecord, *, resume: str | None = None, say: Callable[[str], None] = print
+) -> state.RunRecord:
     """Render, ship to every node, start launch.sh detached on the first; record the run."""
     batch = check_batch(cfg.train, cluster.world_size)
     check_resume(cfg, cluster, resume, say)
     run_id = new_run_id()
     credentials = storage_credentials(cfg.storage, cfg.train.data)
     if credentials.expires:
-        say(f"warning: the storage credentials ({credentials.method or 'session'}) are temporary; the node "
-            "cannot refresh them, so uploads fail once they expire (use long-lived keys for long runs)")
+        say(
+            f"warning: the storage credentials ({credentials.method or 'session'}) are temporary; the node "
+            "cannot refresh them, so uploads fail once they expire (use long-lived keys for long runs)"
+        )
     spec = bundle_spec(cfg, cluster, run_id, resume, credentials=credentials)
     bundle = render_bundle(cfg, spec, state.state_dir() / "runs" / run_id)
     nodes = backend(cluster.provider).nodes(cluster)
@@ -102,18 +119,28 @@ def start_run(cfg: GpuctlConfig, cluster: state.ClusterRecord, *, resume: str | 
         (bundle / "secrets.env").unlink(missing_ok=True)  # shipped; no credential stays in the state dir
         for node in nodes:
             node.close()
-    record = state.RunRecord(run_id=run_id, cluster=cluster.name, run_dir=spec.run_dir,
-                             bundle_dir=str(bundle), world_size=cluster.world_size,
-                             train_batch_size=batch, micro_batch=cfg.train.micro_batch,
-                             grad_accum=cfg.train.grad_accum, max_steps=cfg.train.max_steps,
-                             accelerator=cluster.nodes[0].accelerator, state="running", pgid=pgid)
+    record = state.RunRecord(
+        run_id=run_id,
+        cluster=cluster.name,
+        run_dir=spec.run_dir,
+        bundle_dir=str(bundle),
+        world_size=cluster.world_size,
+        train_batch_size=batch,
+        micro_batch=cfg.train.micro_batch,
+        grad_accum=cfg.train.grad_accum,
+        max_steps=cfg.train.max_steps,
+        accelerator=cluster.nodes[0].accelerator,
+        state="running",
+        pgid=pgid,
+    )
     state.save_run(record)
     say(f"run {run_id} started on {cluster.name}: {cluster.world_size} ranks, batch {batch}")
     return record
 
 
-def check_resume(cfg: GpuctlConfig, cluster: state.ClusterRecord, resume: str | None,
-                 say: Callable[[str], None]) -> None:
+def check_resume(
+    cfg: GpuctlConfig, cluster: state.ClusterRecord, resume: str | None, say: Callable[[str], None]
+) -> None:
     """Before anything ships: the checkpoint to resume from is in the store and fits the cluster.
 
     The node downloads and verifies it (falling back to an older complete one on a bad shard);
@@ -121,8 +148,8 @@ def check_resume(cfg: GpuctlConfig, cluster: state.ClusterRecord, resume: str | 
     """
     if resume is None or resume.startswith("/"):
         return
-    from trainer.objstore.store import CheckpointStore
     from trainer.objstore.backends import StorageError, StorageUnavailable
+    from trainer.objstore.store import CheckpointStore
 
     store = CheckpointStore.from_config(cfg.storage_settings(), log=say)
     try:
@@ -130,7 +157,8 @@ def check_resume(cfg: GpuctlConfig, cluster: state.ClusterRecord, resume: str | 
             info = store.latest()
         else:
             info = store.info(resume) or next(
-                (i for i in store.list() if i.complete and 0 <= i.step < _tag_step(resume)), None)
+                (i for i in store.list() if i.complete and 0 <= i.step < _tag_step(resume)), None
+            )
             if info is not None and info.tag != resume:
                 say(f"checkpoint {resume} is not complete in {store.url}; the node will fall back to {info.tag}")
     except ValueError as exc:  # not a valid tag name
@@ -142,13 +170,17 @@ def check_resume(cfg: GpuctlConfig, cluster: state.ClusterRecord, resume: str | 
         raise ConfigError(f"cannot read checkpoints in {store.url}: {exc}", "fix storage in gpuctl.yaml") from None
     if info is None:
         what = "complete checkpoint" if resume == "latest" else f"complete checkpoint {resume} (or older)"
-        raise NotFoundError(f"no {what} in {store.url} to resume from",
-                            "`gpuctl ckpt ls` lists what is there; drop --resume to start fresh")
+        raise NotFoundError(
+            f"no {what} in {store.url} to resume from",
+            "`gpuctl ckpt ls` lists what is there; drop --resume to start fresh",
+        )
     if info.world_size != cluster.world_size:
-        raise ConfigError(f"checkpoint {info.tag} was saved by {info.world_size} ranks but cluster {cluster.name} "
-                          f"has {cluster.world_size}; resume needs the same world size",
-                          f"run on {info.world_size} ranks, or `gpuctl ckpt pull {info.tag} --hf DIR` and "
-                          "start a new run with train.model: DIR")
+        raise ConfigError(
+            f"checkpoint {info.tag} was saved by {info.world_size} ranks but cluster {cluster.name} "
+            f"has {cluster.world_size}; resume needs the same world size",
+            f"run on {info.world_size} ranks, or `gpuctl ckpt pull {info.tag} --hf DIR` and "
+            "start a new run with train.model: DIR",
+        )
     say(f"resuming from {info.tag} (step {info.step}) in {store.url}")
 
 
@@ -167,14 +199,21 @@ class RunStatus:
     last_metrics: dict
 
     def to_json(self) -> dict:
-        return {"run_id": self.record.run_id, "cluster": self.record.cluster, "state": self.state,
-                "exit_code": self.exit_code, "run_dir": self.record.run_dir,
-                "world_size": self.record.world_size, "train_batch_size": self.record.train_batch_size,
-                "steps": self.summary.get("steps", self.last_metrics.get("step")),
-                "max_steps": self.record.max_steps,
-                "final_loss": self.summary.get("final_loss", self.last_metrics.get("loss")),
-                "tokens_per_s": self.summary.get("tokens_per_s", self.last_metrics.get("tokens_per_s")),
-                "started_at": self.status.get("started_at"), "ended_at": self.status.get("ended_at")}
+        return {
+            "run_id": self.record.run_id,
+            "cluster": self.record.cluster,
+            "state": self.state,
+            "exit_code": self.exit_code,
+            "run_dir": self.record.run_dir,
+            "world_size": self.record.world_size,
+            "train_batch_size": self.record.train_batch_size,
+            "steps": self.summary.get("steps", self.last_metrics.get("step")),
+            "max_steps": self.record.max_steps,
+            "final_loss": self.summary.get("final_loss", self.last_metrics.get("loss")),
+            "tokens_per_s": self.summary.get("tokens_per_s", self.last_metrics.get("tokens_per_s")),
+            "started_at": self.status.get("started_at"),
+            "ended_at": self.status.get("ended_at"),
+        }
 
 
 def _json_or_empty(text: str | None) -> dict:
@@ -213,8 +252,9 @@ def exit_code_of(status: RunStatus) -> int:
     return status.exit_code if status.exit_code not in (None, 0) else 1
 
 
-def follow(run: state.RunRecord, out: Callable[[str], None], *, until_end: bool = True,
-           reconnect_s: float = 300) -> RunStatus:
+def follow(
+    run: state.RunRecord, out: Callable[[str], None], *, until_end: bool = True, reconnect_s: float = 300
+) -> RunStatus:
     """Print job.log from the start; with until_end, keep tailing until the run ends.
 
     A dropped connection is retried until reconnect_s passes without a successful read.
@@ -233,8 +273,10 @@ def follow(run: state.RunRecord, out: Callable[[str], None], *, until_end: bool 
                 node.close()
             node = None
             if time.monotonic() - last_ok > reconnect_s:
-                raise GpuctlError(f"lost the connection to run {run.run_id}: {exc.message}",
-                                  "check the node, then `gpuctl logs -f` to reattach") from None
+                raise GpuctlError(
+                    f"lost the connection to run {run.run_id}: {exc.message}",
+                    "check the node, then `gpuctl logs -f` to reattach",
+                ) from None
             time.sleep(2)
             continue
         offset = next_offset

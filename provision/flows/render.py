@@ -21,8 +21,12 @@ from provision.core.config import GpuctlConfig, check_batch
 from provision.core.errors import ConfigError
 from provision.core.state import write_atomic
 
-TEMPLATES = {"hostfile": "hostfile.j2", "ds_config.json": "ds_config.json.j2",
-             "launch.sh": "launch.sh.j2", ".deepspeed_env": "deepspeed_env.j2"}
+TEMPLATES = {
+    "hostfile": "hostfile.j2",
+    "ds_config.json": "ds_config.json.j2",
+    "launch.sh": "launch.sh.j2",
+    ".deepspeed_env": "deepspeed_env.j2",
+}
 # NCCL hangs without these on RTX 40-series (no NVLink, P2P disabled by the driver).
 RTX40_NCCL = {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
 # .deepspeed_env values are wrapped in double quotes by DeepSpeed, not escaped.
@@ -82,8 +86,12 @@ def template_env(config_dir: Path | None) -> jinja2.Environment:
     search = [str(packaged_templates())]
     if config_dir is not None and (config_dir / "templates").is_dir():
         search.insert(0, str(config_dir / "templates"))
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(search), undefined=jinja2.StrictUndefined,
-                             keep_trailing_newline=True, autoescape=False)
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(search),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
     env.filters["q"] = lambda value: shlex.quote(str(value))
     env.filters["qjoin"] = lambda argv: shlex.join(str(a) for a in argv)
     env.filters["json"] = json.dumps
@@ -101,8 +109,18 @@ def rank_env(cfg: GpuctlConfig, spec: BundleSpec) -> dict[str, str]:
 
 
 def launcher_argv(spec: BundleSpec) -> list[str]:
-    argv = [*spec.launcher_prefix, spec.python, "-u", "-m", "deepspeed.launcher.runner",
-            "--hostfile", "hostfile", "--master_addr", spec.master_addr, "--no_local_rank"]
+    argv = [
+        *spec.launcher_prefix,
+        spec.python,
+        "-u",
+        "-m",
+        "deepspeed.launcher.runner",
+        "--hostfile",
+        "hostfile",
+        "--master_addr",
+        spec.master_addr,
+        "--no_local_rank",
+    ]
     if len(spec.nodes) == 1:
         argv.append("--no_ssh_check")  # one host: DeepSpeed launches locally, no pdsh
     else:
@@ -119,8 +137,14 @@ def launcher_argv(spec: BundleSpec) -> list[str]:
 def run_json(cfg: GpuctlConfig, spec: BundleSpec, data_rel: str) -> dict:
     train = cfg.train.model_dump(exclude={"train_batch_size"})
     train["data"] = data_rel
-    return {"run_id": spec.run_id, "ds_config": "ds_config.json", "num_nodes": len(spec.nodes),
-            "train": train, "storage": cfg.storage_settings(for_node=True), "resume": spec.resume}
+    return {
+        "run_id": spec.run_id,
+        "ds_config": "ds_config.json",
+        "num_nodes": len(spec.nodes),
+        "train": train,
+        "storage": cfg.storage_settings(for_node=True),
+        "resume": spec.resume,
+    }
 
 
 def render_bundle(cfg: GpuctlConfig, spec: BundleSpec, out_dir: Path) -> Path:
@@ -130,16 +154,30 @@ def render_bundle(cfg: GpuctlConfig, spec: BundleSpec, out_dir: Path) -> Path:
     if len(spec.nodes) > 1:
         bad = [k for k, v in env.items() if UNSAFE_DS_ENV.search(v)]
         if bad:
-            raise ConfigError(f"env.{bad[0]} has a quote, $, backslash or newline, which DeepSpeed's "
-                              "multi-node launcher cannot pass", "simplify the value")
+            raise ConfigError(
+                f"env.{bad[0]} has a quote, $, backslash or newline, which DeepSpeed's multi-node launcher cannot pass",
+                "simplify the value",
+            )
     out_dir.mkdir(parents=True, exist_ok=True)
     data_rel = _ship_data(cfg, out_dir)
-    context = dict(run_id=spec.run_id, run_dir=spec.run_dir, nodes=spec.nodes, train=cfg.train,
-                   train_batch_size=batch, accelerator=spec.accelerator, env=env,
-                   python=spec.python, world_size=spec.world_size, setup=spec.setup,
-                   launcher=launcher_argv(spec), script=["--module", "trainer", "run.json"],
-                   after_run=spec.after_run, watchdog_s=spec.watchdog_s, watchdog_run=spec.watchdog_run,
-                   ssh_config=spec.ssh_config if len(spec.nodes) > 1 else None)
+    context = dict(
+        run_id=spec.run_id,
+        run_dir=spec.run_dir,
+        nodes=spec.nodes,
+        train=cfg.train,
+        train_batch_size=batch,
+        accelerator=spec.accelerator,
+        env=env,
+        python=spec.python,
+        world_size=spec.world_size,
+        setup=spec.setup,
+        launcher=launcher_argv(spec),
+        script=["--module", "trainer", "run.json"],
+        after_run=spec.after_run,
+        watchdog_s=spec.watchdog_s,
+        watchdog_run=spec.watchdog_run,
+        ssh_config=spec.ssh_config if len(spec.nodes) > 1 else None,
+    )
     jinja = template_env(cfg.base_dir)
     for name, template in TEMPLATES.items():
         try:
@@ -161,11 +199,13 @@ def render_bundle(cfg: GpuctlConfig, spec: BundleSpec, out_dir: Path) -> Path:
 
 def _node_env_script(run_dir: str) -> str:
     secrets = shlex.quote(f"{run_dir}/secrets.env")
-    return ("# Sourced on every node by DeepSpeed's pdsh launcher (--venv_script) before it starts the\n"
-            "# node's ranks: they get the run's secrets (storage credentials) without any command line\n"
-            "# or log carrying them. The trainer deletes the file once every rank of every node is up\n"
-            "# (not here: run dirs on a shared filesystem are one file for all nodes).\n"
-            f"if [ -f {secrets} ]; then set -a; . {secrets}; set +a; export GPUCTL_SECRETS_FILE={secrets}; fi\n")
+    return (
+        "# Sourced on every node by DeepSpeed's pdsh launcher (--venv_script) before it starts the\n"
+        "# node's ranks: they get the run's secrets (storage credentials) without any command line\n"
+        "# or log carrying them. The trainer deletes the file once every rank of every node is up\n"
+        "# (not here: run dirs on a shared filesystem are one file for all nodes).\n"
+        f"if [ -f {secrets} ]; then set -a; . {secrets}; set +a; export GPUCTL_SECRETS_FILE={secrets}; fi\n"
+    )
 
 
 def _ship_data(cfg: GpuctlConfig, out_dir: Path) -> str:

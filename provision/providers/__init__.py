@@ -16,7 +16,9 @@ MODULES = {"local": "local", "ssh": "ssh_hosts", "vast": "vast", "runpod": "runp
 def backend(kind: str) -> ProviderBackend:
     """The provider module for a kind, imported only when used (keeps the CLI fast)."""
     if kind not in MODULES:
-        raise ConfigError(f"unknown provider {kind!r} (in a cluster record or the config)",
-                          f"use one of {', '.join(MODULES)}; `gpuctl down --cluster NAME` after fixing the record")
+        raise ConfigError(
+            f"unknown provider {kind!r} (in a cluster record or the config)",
+            f"use one of {', '.join(MODULES)}; `gpuctl down --cluster NAME` after fixing the record",
+        )
     backend: ProviderBackend = import_module(f"provision.providers.{MODULES[kind]}").BACKEND
     return backend

@@ -22,26 +22,46 @@ from __future__ import annotations
 import os
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 from provision.core.config import AWSProvider
 from provision.core.errors import AuthError, ConfigError, NoOfferError, ProviderError
+from provision.core.state import ClusterRecord
 from provision.providers.base import Offer, SelfTeardown
 from provision.providers.cloud import CloudBackend, Instance
-from provision.core.state import ClusterRecord
 
 TAG = "gpuctl-cluster"
 USER_TAG = "gpuctl-user"
 TEST_SSH_ENV = "GPUCTL_AWS_TEST_SSH"
 # On-demand Linux $/h in us-east-1 (AWS price list, 2024); set provider.price_per_hour for others.
-PRICES = {"g5.12xlarge": 5.672, "g5.24xlarge": 8.144, "g5.48xlarge": 16.288,
-          "g6.12xlarge": 4.6016, "g6.24xlarge": 6.6749, "g6.48xlarge": 13.3504,
-          "g6e.12xlarge": 10.493, "p4d.24xlarge": 32.7726}
-AUTH_CODES = {"AuthFailure", "UnauthorizedOperation", "InvalidClientTokenId", "SignatureDoesNotMatch",
-              "ExpiredToken", "OptInRequired", "AccessDenied", "UnrecognizedClientException"}
-CAPACITY_CODES = {"InsufficientInstanceCapacity", "InstanceLimitExceeded", "VcpuLimitExceeded",
-                  "Unsupported", "MaxSpotInstanceCountExceeded"}
+PRICES = {
+    "g5.12xlarge": 5.672,
+    "g5.24xlarge": 8.144,
+    "g5.48xlarge": 16.288,
+    "g6.12xlarge": 4.6016,
+    "g6.24xlarge": 6.6749,
+    "g6.48xlarge": 13.3504,
+    "g6e.12xlarge": 10.493,
+    "p4d.24xlarge": 32.7726,
+}
+AUTH_CODES = {
+    "AuthFailure",
+    "UnauthorizedOperation",
+    "InvalidClientTokenId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "OptInRequired",
+    "AccessDenied",
+    "UnrecognizedClientException",
+}
+CAPACITY_CODES = {
+    "InsufficientInstanceCapacity",
+    "InstanceLimitExceeded",
+    "VcpuLimitExceeded",
+    "Unsupported",
+    "MaxSpotInstanceCountExceeded",
+}
 ACTIVE_STATES = ["pending", "running", "stopping", "stopped", "shutting-down"]
 FAILED = ("shutting-down", "terminated", "stopping", "stopped")
 
@@ -67,13 +87,17 @@ def aws_errors(what: str) -> Iterator[None]:
         code = exc.response.get("Error", {}).get("Code", "?")
         message = exc.response.get("Error", {}).get("Message", "")[:200]
         if code in AUTH_CODES:
-            raise AuthError(f"AWS refused {what} ({code})",
-                            "check AWS_PROFILE / your keys and the IAM permissions for EC2") from None
+            raise AuthError(
+                f"AWS refused {what} ({code})", "check AWS_PROFILE / your keys and the IAM permissions for EC2"
+            ) from None
         if code in CAPACITY_CODES:
-            raise NoOfferError(f"AWS cannot {what} now ({code}: {message})",
-                               "retry later, another region, or raise your EC2 quota") from None
-        if code in ("RequestLimitExceeded", "Throttling") or exc.response.get(
-                "ResponseMetadata", {}).get("HTTPStatusCode", 0) >= 500:
+            raise NoOfferError(
+                f"AWS cannot {what} now ({code}: {message})", "retry later, another region, or raise your EC2 quota"
+            ) from None
+        if (
+            code in ("RequestLimitExceeded", "Throttling")
+            or exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) >= 500
+        ):
             raise ProviderError(f"AWS kept failing on {what} ({code})", "wait a few minutes and retry") from None
         raise ProviderError(f"AWS {what}: {code}: {message}") from None
     except BotoCoreError as exc:
@@ -101,8 +125,10 @@ def caller_cidr() -> str:
         with urllib.request.urlopen("https://checkip.amazonaws.com", timeout=10) as resp:
             ip = resp.read().decode().strip()
     except OSError:
-        raise ConfigError("could not find your public IP for the SSH security group rule",
-                          "set provider.ssh_cidr, e.g. 203.0.113.7/32") from None
+        raise ConfigError(
+            "could not find your public IP for the SSH security group rule",
+            "set provider.ssh_cidr, e.g. 203.0.113.7/32",
+        ) from None
     return f"{ip}/32"
 
 
@@ -118,14 +144,17 @@ class AWSBackend(CloudBackend):
         return ec2(cluster.region, cluster.api_url)
 
     def filters_text(self, prov: AWSProvider) -> str:
-        return (f"(instance_type={prov.instance_type} in {prov.region}, >= {prov.gpus_per_node} x {prov.gpu}, "
-                f"memory>={prov.min_ram_gb:g} GB" + (f", price<=${prov.max_price}/h" if prov.max_price else "") + ")")
+        return (
+            f"(instance_type={prov.instance_type} in {prov.region}, >= {prov.gpus_per_node} x {prov.gpu}, "
+            f"memory>={prov.min_ram_gb:g} GB" + (f", price<=${prov.max_price}/h" if prov.max_price else "") + ")"
+        )
 
     def find_offers(self, prov: AWSProvider) -> list[Offer]:
         client = ec2(prov.region, prov.api_url)
         with aws_errors(f"describe instance type {prov.instance_type}"):
             offered = client.describe_instance_type_offerings(
-                LocationType="region", Filters=[{"Name": "instance-type", "Values": [prov.instance_type]}])
+                LocationType="region", Filters=[{"Name": "instance-type", "Values": [prov.instance_type]}]
+            )
             if not offered.get("InstanceTypeOfferings"):
                 return []
             info = client.describe_instance_types(InstanceTypes=[prov.instance_type])["InstanceTypes"][0]
@@ -134,14 +163,25 @@ class AWSBackend(CloudBackend):
         ram_gb = info["MemoryInfo"]["SizeInMiB"] / 1024
         price = prov.price_per_hour or PRICES.get(prov.instance_type)
         if price is None:
-            raise ConfigError(f"gpuctl has no price for {prov.instance_type}",
-                              "set provider.price_per_hour (on-demand $/h) so cost and caps are right")
+            raise ConfigError(
+                f"gpuctl has no price for {prov.instance_type}",
+                "set provider.price_per_hour (on-demand $/h) so cost and caps are right",
+            )
         if count < prov.gpus_per_node or ram_gb < prov.min_ram_gb or (prov.max_price and price > prov.max_price):
             return []
         if prov.gpu.lower() not in name.lower():
             return []
-        return [Offer(id=prov.instance_type, gpu_name=name, num_gpus=prov.gpus_per_node, price_per_hour=price,
-                      ram_gb=ram_gb, disk_gb=prov.disk_gb, where=prov.region)]
+        return [
+            Offer(
+                id=prov.instance_type,
+                gpu_name=name,
+                num_gpus=prov.gpus_per_node,
+                price_per_hour=price,
+                ram_gb=ram_gb,
+                disk_gb=prov.disk_gb,
+                where=prov.region,
+            )
+        ]
 
     def prepare(self, prov: AWSProvider, cluster: ClusterRecord, public_key: str) -> None:
         client = self.client(cluster)
@@ -150,16 +190,31 @@ class AWSBackend(CloudBackend):
         with aws_errors("create the key pair and security group"):
             if not prov.key_name:
                 self._delete_key_pair(client, name)
-                client.import_key_pair(KeyName=name, PublicKeyMaterial=public_key.encode(), TagSpecifications=[
-                    {"ResourceType": "key-pair", "Tags": _tags(cluster.name)}])
+                client.import_key_pair(
+                    KeyName=name,
+                    PublicKeyMaterial=public_key.encode(),
+                    TagSpecifications=[{"ResourceType": "key-pair", "Tags": _tags(cluster.name)}],
+                )
             group_id = self._group_id(client, name)
             if group_id is None:
                 group_id = client.create_security_group(
-                    GroupName=name, Description=f"gpuctl cluster {cluster.name}: SSH from {cidr}",
-                    TagSpecifications=[{"ResourceType": "security-group", "Tags": _tags(cluster.name)}])["GroupId"]
-            ignoring({"InvalidPermission.Duplicate"}, client.authorize_security_group_ingress,
-                     GroupId=group_id, IpPermissions=[{"IpProtocol": "tcp", "FromPort": 22, "ToPort": 22,
-                                                       "IpRanges": [{"CidrIp": cidr, "Description": "gpuctl ssh"}]}])
+                    GroupName=name,
+                    Description=f"gpuctl cluster {cluster.name}: SSH from {cidr}",
+                    TagSpecifications=[{"ResourceType": "security-group", "Tags": _tags(cluster.name)}],
+                )["GroupId"]
+            ignoring(
+                {"InvalidPermission.Duplicate"},
+                client.authorize_security_group_ingress,
+                GroupId=group_id,
+                IpPermissions=[
+                    {
+                        "IpProtocol": "tcp",
+                        "FromPort": 22,
+                        "ToPort": 22,
+                        "IpRanges": [{"CidrIp": cidr, "Description": "gpuctl ssh"}],
+                    }
+                ],
+            )
 
     def _ami(self, client, prov: AWSProvider) -> tuple[str, str]:
         """(image id, root device name): ami_id, else the newest image named ami_name."""
@@ -167,28 +222,40 @@ class AWSBackend(CloudBackend):
             if prov.ami_id:
                 images = client.describe_images(ImageIds=[prov.ami_id])["Images"]
             else:
-                images = client.describe_images(Owners=[prov.ami_owner], Filters=[
-                    {"Name": "name", "Values": [prov.ami_name]}, {"Name": "state", "Values": ["available"]}])["Images"]
+                images = client.describe_images(
+                    Owners=[prov.ami_owner],
+                    Filters=[{"Name": "name", "Values": [prov.ami_name]}, {"Name": "state", "Values": ["available"]}],
+                )["Images"]
         if not images:
-            raise NoOfferError(f"no AMI named {prov.ami_name!r} owned by {prov.ami_owner} in {prov.region}",
-                               "set provider.ami_name / ami_owner, or ami_id")
+            raise NoOfferError(
+                f"no AMI named {prov.ami_name!r} owned by {prov.ami_owner} in {prov.region}",
+                "set provider.ami_name / ami_owner, or ami_id",
+            )
         newest = max(images, key=lambda i: (i.get("CreationDate", ""), i.get("Name", "")))  # names carry dates
         return newest["ImageId"], newest.get("RootDeviceName") or "/dev/sda1"
 
-    def launch(self, prov: AWSProvider, cluster: ClusterRecord, label: str, offer: Offer,
-               public_key: str) -> str:
+    def launch(self, prov: AWSProvider, cluster: ClusterRecord, label: str, offer: Offer, public_key: str) -> str:
         client = self.client(cluster)
         image_id, root = self._ami(client, prov)
         name = f"gpuctl-{cluster.name}"
         tags = _tags(cluster.name, {USER_TAG: prov.ssh_user, "Name": label})
-        args = dict(ImageId=image_id, InstanceType=offer.id, MinCount=1, MaxCount=1,
-                    KeyName=prov.key_name or name, SecurityGroupIds=[self._group_id(client, name)],
-                    InstanceInitiatedShutdownBehavior="terminate",
-                    ClientToken=label[:64],  # botocore's retries of this call create one instance
-                    BlockDeviceMappings=[{"DeviceName": root, "Ebs": {"VolumeSize": int(prov.disk_gb),
-                                                                     "VolumeType": "gp3", "DeleteOnTermination": True}}],
-                    TagSpecifications=[{"ResourceType": "instance", "Tags": tags},
-                                       {"ResourceType": "volume", "Tags": tags}])
+        args = dict(
+            ImageId=image_id,
+            InstanceType=offer.id,
+            MinCount=1,
+            MaxCount=1,
+            KeyName=prov.key_name or name,
+            SecurityGroupIds=[self._group_id(client, name)],
+            InstanceInitiatedShutdownBehavior="terminate",
+            ClientToken=label[:64],  # botocore's retries of this call create one instance
+            BlockDeviceMappings=[
+                {
+                    "DeviceName": root,
+                    "Ebs": {"VolumeSize": int(prov.disk_gb), "VolumeType": "gp3", "DeleteOnTermination": True},
+                }
+            ],
+            TagSpecifications=[{"ResourceType": "instance", "Tags": tags}, {"ResourceType": "volume", "Tags": tags}],
+        )
         if prov.key_name:  # the user's pair logs in too; gpuctl's own key comes by cloud-init
             args["UserData"] = f"#cloud-config\nssh_authorized_keys:\n  - {public_key}\n"
         with aws_errors(f"run a {offer.id} instance"):
@@ -196,8 +263,9 @@ class AWSBackend(CloudBackend):
 
     def describe(self, cluster: ClusterRecord, instance_id: str) -> Instance | None:
         with aws_errors(f"describe instance {instance_id}"):
-            found = ignoring({"InvalidInstanceID.NotFound"}, self.client(cluster).describe_instances,
-                             InstanceIds=[instance_id])
+            found = ignoring(
+                {"InvalidInstanceID.NotFound"}, self.client(cluster).describe_instances, InstanceIds=[instance_id]
+            )
         raws = [i for r in (found or {}).get("Reservations", []) for i in r["Instances"]]
         return self._instance(raws[0]) if raws else None
 
@@ -208,20 +276,32 @@ class AWSBackend(CloudBackend):
         if os.environ.get(TEST_SSH_ENV) and address:
             host, _, test_port = os.environ[TEST_SSH_ENV].rpartition(":")
             address, port = host, int(test_port)
-        return Instance(id=raw["InstanceId"], state=status, ready=status == "running" and bool(address),
-                        failed=status in FAILED, address=address, port=port,
-                        user=tags.get(USER_TAG, "ubuntu"), label=tags.get("Name", ""))
+        return Instance(
+            id=raw["InstanceId"],
+            state=status,
+            ready=status == "running" and bool(address),
+            failed=status in FAILED,
+            address=address,
+            port=port,
+            user=tags.get(USER_TAG, "ubuntu"),
+            label=tags.get("Name", ""),
+        )
 
     def terminate(self, cluster: ClusterRecord, instance_id: str) -> None:
         with aws_errors(f"terminate instance {instance_id}"):
-            ignoring({"InvalidInstanceID.NotFound"}, self.client(cluster).terminate_instances,
-                     InstanceIds=[instance_id])
+            ignoring(
+                {"InvalidInstanceID.NotFound"}, self.client(cluster).terminate_instances, InstanceIds=[instance_id]
+            )
 
     def list_instances(self, cluster: ClusterRecord) -> list[Instance]:
         client = self.client(cluster)
         with aws_errors("list instances"):
-            found = client.describe_instances(Filters=[{"Name": f"tag:{TAG}", "Values": [cluster.name]},
-                                                       {"Name": "instance-state-name", "Values": ACTIVE_STATES}])
+            found = client.describe_instances(
+                Filters=[
+                    {"Name": f"tag:{TAG}", "Values": [cluster.name]},
+                    {"Name": "instance-state-name", "Values": ACTIVE_STATES},
+                ]
+            )
         return [self._instance(i) for r in found["Reservations"] for i in r["Instances"]]
 
     def release(self, cluster: ClusterRecord, say: Callable[[str], None]) -> None:
@@ -252,8 +332,10 @@ class AWSBackend(CloudBackend):
         others = [n.address for n in cluster.nodes[1:]]
         if not others:
             return SelfTeardown(argv=[*sudo, "shutdown", "-h", "now"])
-        script = ('for h in "$@"; do ssh -o BatchMode=yes -o ConnectTimeout=20 "$h" '
-                  f'{" ".join(sudo)} shutdown -h now; done; {" ".join(sudo)} shutdown -h now')
+        script = (
+            'for h in "$@"; do ssh -o BatchMode=yes -o ConnectTimeout=20 "$h" '
+            f"{' '.join(sudo)} shutdown -h now; done; {' '.join(sudo)} shutdown -h now"
+        )
         return SelfTeardown(argv=["bash", "-c", script, "gpuctl", *others])
 
     @staticmethod

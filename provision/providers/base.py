@@ -14,8 +14,9 @@ What callers may rely on beyond that is declared, not probed with hasattr:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 from provision.core.config import CloudProvider, GpuctlConfig
 from provision.core.errors import ConfigError
@@ -94,20 +95,25 @@ class ProviderBackend(ABC):
         """What a node runs to delete itself (teardown after-train, budget cap); None: nothing to delete."""
 
 
-def resolve_runtime(requested: str, provider_kind: str, *, image: str | None = None,
-                    has_docker: Callable[[], bool] | None = None) -> str:
+def resolve_runtime(
+    requested: str, provider_kind: str, *, image: str | None = None, has_docker: Callable[[], bool] | None = None
+) -> str:
     """The runtime to record for a cluster: none | docker | image.
 
     auto: Vast/RunPod -> image; AWS -> docker; ssh -> docker when an image is configured and
     the first node answers `docker version`, else none; local -> none.
     """
     if requested == "image" and provider_kind not in IMAGE_PROVIDERS:
-        raise ConfigError(f"provider.runtime image needs a provider that creates the node from an image "
-                          f"(vast, runpod), not {provider_kind}", "use runtime docker or none")
+        raise ConfigError(
+            f"provider.runtime image needs a provider that creates the node from an image "
+            f"(vast, runpod), not {provider_kind}",
+            "use runtime docker or none",
+        )
     if requested != "auto":
         if requested not in RUNTIMES:
-            raise ConfigError(f"provider.runtime {requested!r} is not auto, docker, image or none",
-                              "fix provider.runtime")
+            raise ConfigError(
+                f"provider.runtime {requested!r} is not auto, docker, image or none", "fix provider.runtime"
+            )
         return requested
     if provider_kind in IMAGE_PROVIDERS:
         return "image"

@@ -18,17 +18,24 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
-from provision.transport.ssh import mesh
 from provision.core import state
 from provision.core.config import CloudProvider, check_batch
 from provision.core.errors import GpuctlError, NoOfferError, ProviderError
-from provision.providers.base import (IMAGE_PYTHON, Offer, OfferSource, ProviderBackend, SelfTeardown, UpOptions,
-                                      resolve_runtime)
-from provision.transport.remote import Node
 from provision.core.state import ClusterRecord, NodeRecord
+from provision.providers.base import (
+    IMAGE_PYTHON,
+    Offer,
+    OfferSource,
+    ProviderBackend,
+    SelfTeardown,
+    UpOptions,
+    resolve_runtime,
+)
+from provision.transport.remote import Node
+from provision.transport.ssh import mesh
 
 POLL_S = 2.0
 GONE_TIMEOUT_S = 300.0
@@ -64,6 +71,7 @@ def call(url, body):
     return False
 sys.exit(0 if all([call(url, body) for url, body in calls]) else 1)
 """
+
 
 @dataclass
 class Instance:
@@ -102,6 +110,7 @@ def budget_hours(prov: CloudProvider, price_per_hour: float) -> float | None:
 
 # --- the shared flow ------------------------------------------------------------------------------
 
+
 class CloudBackend(ProviderBackend):
     kind = "cloud"
     terminates_nodes = True
@@ -117,8 +126,7 @@ class CloudBackend(ProviderBackend):
     def filters_text(self, prov: CloudProvider) -> str:
         raise NotImplementedError
 
-    def launch(self, prov: CloudProvider, cluster: ClusterRecord, label: str, offer: Offer,
-               public_key: str) -> str:
+    def launch(self, prov: CloudProvider, cluster: ClusterRecord, label: str, offer: Offer, public_key: str) -> str:
         """Create one instance named `label` (unique to this attempt); returns its id."""
         raise NotImplementedError
 
@@ -152,17 +160,22 @@ class CloudBackend(ProviderBackend):
         prov = cfg.provider
         offers = self.find_offers(prov)
         if not offers:
-            raise NoOfferError(f"no {self.kind} offer matches {self.filters_text(prov)}",
-                               "relax the filters (max_price, min_ram_gb, gpu, gpus_per_node) or retry later; "
-                               "`gpuctl offers` lists what matches")
+            raise NoOfferError(
+                f"no {self.kind} offer matches {self.filters_text(prov)}",
+                "relax the filters (max_price, min_ram_gb, gpu, gpus_per_node) or retry later; "
+                "`gpuctl offers` lists what matches",
+            )
         picks = self.picks(offers, prov.nodes)
         price = sum(o.price_per_hour for o in picks)
         cap = budget_hours(prov, price)
         for i, offer in enumerate(picks):
             opts.say(f"{self.kind} node {i}: {describe_offer(offer)}")
         span = (f"{cap:.2f} h" if cap >= 1 else f"{cap * 60:.1f} min") if cap else ""
-        cap_text = (f"budget cap {span} = ${cap * price:.2f} (the node tears itself down then)" if cap
-                    else "no budget cap (set provider.max_hours or max_cost)")
+        cap_text = (
+            f"budget cap {span} = ${cap * price:.2f} (the node tears itself down then)"
+            if cap
+            else "no budget cap (set provider.max_hours or max_cost)"
+        )
         opts.say(f"total ${price:.3f}/h; {cap_text}")
         if opts.dry_run:
             return None
@@ -170,11 +183,19 @@ class CloudBackend(ProviderBackend):
             raise GpuctlError("not confirmed: nothing was created", "rerun `gpuctl up` and answer y, or pass --yes")
         _private, public_key = mesh.cluster_keypair(cfg.cluster_name)
         mode = resolve_runtime(prov.runtime, self.kind, image=prov.image)  # vast/runpod: image; aws: docker
-        record = ClusterRecord(name=cfg.cluster_name, provider=self.kind, nodes=[], price_per_hour=price,
-                               image=prov.image, runtime=mode, api_url=prov.api_url,
-                               python=IMAGE_PYTHON if mode == "docker" else prov.python,
-                               identity_file=str(mesh.key_dir(cfg.cluster_name) / "id_ed25519"),
-                               budget_hours=cap, region=getattr(prov, "region", None))
+        record = ClusterRecord(
+            name=cfg.cluster_name,
+            provider=self.kind,
+            nodes=[],
+            price_per_hour=price,
+            image=prov.image,
+            runtime=mode,
+            api_url=prov.api_url,
+            python=IMAGE_PYTHON if mode == "docker" else prov.python,
+            identity_file=str(mesh.key_dir(cfg.cluster_name) / "id_ed25519"),
+            budget_hours=cap,
+            region=getattr(prov, "region", None),
+        )
         created: list[str] = []
         attempt = secrets.token_hex(3)  # in every label: a failed create is found by it, nothing else
         labels = [f"gpuctl-{record.name}-{i}-{attempt}" for i in range(len(picks))]
@@ -183,8 +204,16 @@ class CloudBackend(ProviderBackend):
             for i, offer in enumerate(picks):
                 instance_id = self.launch(prov, record, labels[i], offer, public_key)
                 created.append(instance_id)
-                record.nodes.append(NodeRecord(host=f"node{i}", address="", instance_id=instance_id,
-                                               slots=offer.num_gpus, accelerator="cuda", gpu_name=offer.gpu_name))
+                record.nodes.append(
+                    NodeRecord(
+                        host=f"node{i}",
+                        address="",
+                        instance_id=instance_id,
+                        slots=offer.num_gpus,
+                        accelerator="cuda",
+                        gpu_name=offer.gpu_name,
+                    )
+                )
                 state.save_cluster(record)  # `gpuctl down` finds it even if this process dies now
                 opts.say(f"created {self.kind} instance {instance_id}; waiting for it to boot")
             deadline = time.monotonic() + prov.ready_timeout
@@ -223,13 +252,15 @@ class CloudBackend(ProviderBackend):
             if not left:
                 return
             if time.monotonic() > deadline:
-                raise ProviderError(f"{self.kind} still lists instance(s) {', '.join(left)} "
-                                    f"{timeout_s:.0f}s after terminating them",
-                                    f"check the {self.kind} console, then retry `gpuctl down`")
+                raise ProviderError(
+                    f"{self.kind} still lists instance(s) {', '.join(left)} {timeout_s:.0f}s after terminating them",
+                    f"check the {self.kind} console, then retry `gpuctl down`",
+                )
             time.sleep(POLL_S)
 
-    def _ready(self, prov: CloudProvider, cluster: ClusterRecord, node: NodeRecord, deadline: float,
-               say: Callable[[str], None]) -> None:
+    def _ready(
+        self, prov: CloudProvider, cluster: ClusterRecord, node: NodeRecord, deadline: float, say: Callable[[str], None]
+    ) -> None:
         """Vendor says running with an address -> SSH banner -> a command runs -> probe GPUs."""
         from provision.transport.ssh.node import ConnectError, wait_for_ssh
 
@@ -238,16 +269,20 @@ class CloudBackend(ProviderBackend):
             inst = self.describe(cluster, node.instance_id)
             if inst is None or inst.failed:
                 what = "vanished" if inst is None else f"ended in state {inst.state!r}"
-                raise ProviderError(f"{self.kind} instance {node.instance_id} {what} while booting",
-                                    f"retry `gpuctl up`; check the {self.kind} console for its log")
+                raise ProviderError(
+                    f"{self.kind} instance {node.instance_id} {what} while booting",
+                    f"retry `gpuctl up`; check the {self.kind} console for its log",
+                )
             if inst.ready and inst.address:
                 break
             if inst.state != seen:
                 say(f"{self.kind} instance {node.instance_id}: {inst.state}")
                 seen = inst.state
             if time.monotonic() > deadline:
-                raise ProviderError(f"{self.kind} instance {node.instance_id} still {inst.state!r} after "
-                                    f"{prov.ready_timeout:.0f}s", "raise provider.ready_timeout or retry")
+                raise ProviderError(
+                    f"{self.kind} instance {node.instance_id} still {inst.state!r} after {prov.ready_timeout:.0f}s",
+                    "raise provider.ready_timeout or retry",
+                )
             time.sleep(POLL_S)
         node.address, node.port, node.user = inst.address, inst.port, inst.user
         wait_for_ssh(inst.address, inst.port, deadline, say=say)
@@ -266,11 +301,13 @@ class CloudBackend(ProviderBackend):
         finally:
             ssh.close()
 
-    def _probe(self, prov: CloudProvider, node: NodeRecord, ssh: Node, home: str,
-               say: Callable[[str], None]) -> None:
+    def _probe(self, prov: CloudProvider, node: NodeRecord, ssh: Node, home: str, say: Callable[[str], None]) -> None:
         node.workdir = prov.workdir or f"{home.rstrip('/')}/gpuctl"
-        out = ssh.sh("command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name --format=csv,noheader",
-                     check=False, timeout=60).stdout
+        out = ssh.sh(
+            "command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name --format=csv,noheader",
+            check=False,
+            timeout=60,
+        ).stdout
         gpus = [line.strip() for line in out.splitlines() if line.strip()]
         if gpus:
             node.slots = min(len(gpus), prov.gpus_per_node)
@@ -279,14 +316,24 @@ class CloudBackend(ProviderBackend):
                 say(f"warning: {node.host} shows {len(gpus)} GPU(s), fewer than the {prov.gpus_per_node} rented")
         elif prov.cpu_ranks_fallback:
             node.slots, node.accelerator, node.gpu_name = prov.cpu_ranks_fallback, "cpu", None
-            say(f"warning: {node.host} shows no GPU (no nvidia-smi output); running "
-                f"{prov.cpu_ranks_fallback} CPU ranks (provider.cpu_ranks_fallback)")
+            say(
+                f"warning: {node.host} shows no GPU (no nvidia-smi output); running "
+                f"{prov.cpu_ranks_fallback} CPU ranks (provider.cpu_ranks_fallback)"
+            )
         else:
-            raise ProviderError(f"{self.kind} instance {node.instance_id} shows no GPU (nvidia-smi found none)",
-                                "pick another offer; set provider.cpu_ranks_fallback only for CPU test stand-ins")
+            raise ProviderError(
+                f"{self.kind} instance {node.instance_id} shows no GPU (nvidia-smi found none)",
+                "pick another offer; set provider.cpu_ranks_fallback only for CPU test stand-ins",
+            )
 
-    def _abort(self, cluster: ClusterRecord, created: list[str], labels: list[str],
-               say: Callable[[str], None], exc: BaseException) -> None:
+    def _abort(
+        self,
+        cluster: ClusterRecord,
+        created: list[str],
+        labels: list[str],
+        say: Callable[[str], None],
+        exc: BaseException,
+    ) -> None:
         """Terminate what this attempt created, including an instance whose create call failed
         after the vendor acted (found by this attempt's labels). A second Ctrl-C cannot cut this short."""
         why = "interrupted" if isinstance(exc, KeyboardInterrupt) else "up failed"
@@ -321,14 +368,17 @@ class CloudBackend(ProviderBackend):
             if restore is not None:
                 signal.signal(signal.SIGINT, restore)
 
-    def _stray(self, cluster: ClusterRecord, labels: list[str], created: list[str],
-               say: Callable[[str], None]) -> list[str]:
+    def _stray(
+        self, cluster: ClusterRecord, labels: list[str], created: list[str], say: Callable[[str], None]
+    ) -> list[str]:
         """Instances that carry this attempt's labels but were never recorded (a lost create answer)."""
         try:
             return [i.id for i in self.list_instances(cluster) if i.label in labels and i.id not in created]
         except GpuctlError as err:
-            say(f"warning: could not check {self.kind} for a half-created instance ({err.one_line()}); "
-                f"look for labels gpuctl-{cluster.name}-* in the {self.kind} console")
+            say(
+                f"warning: could not check {self.kind} for a half-created instance ({err.one_line()}); "
+                f"look for labels gpuctl-{cluster.name}-* in the {self.kind} console"
+            )
             return []
 
     def _forget(self, cluster: ClusterRecord) -> None:
@@ -342,9 +392,14 @@ class CloudBackend(ProviderBackend):
 
 
 def describe_offer(offer: Offer) -> str:
-    extra = [f"{offer.ram_gb:.0f} GB RAM" if offer.ram_gb else "", f"{offer.disk_gb:.0f} GB disk" if offer.disk_gb else "",
-             offer.where, f"reliability {offer.reliability:.3f}" if offer.reliability is not None else "",
-             "spot" if offer.spot else ""]
+    extra = [
+        f"{offer.ram_gb:.0f} GB RAM" if offer.ram_gb else "",
+        f"{offer.disk_gb:.0f} GB disk" if offer.disk_gb else "",
+        offer.where,
+        f"reliability {offer.reliability:.3f}" if offer.reliability is not None else "",
+        "spot" if offer.spot else "",
+    ]
     details = ", ".join(e for e in extra if e)
-    return (f"offer {offer.id}: {offer.num_gpus} x {offer.gpu_name} at ${offer.price_per_hour:.3f}/h"
-            + (f" ({details})" if details else ""))
+    return f"offer {offer.id}: {offer.num_gpus} x {offer.gpu_name} at ${offer.price_per_hour:.3f}/h" + (
+        f" ({details})" if details else ""
+    )

@@ -18,7 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential, wait_random
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential,
+    wait_random,
+)
 
 from provision.core.errors import AuthError, ConfigError, ProviderError
 
@@ -74,8 +81,7 @@ def load_key(vendor: str, env_var: str, files: list[Path], parse=lambda text: te
 class JsonApi:
     """A vendor's JSON API at base_url. `key_source` names where the key came from, for messages."""
 
-    def __init__(self, vendor: str, base_url: str, key: str, key_source: str,
-                 retry: RetryPolicy | None = None):
+    def __init__(self, vendor: str, base_url: str, key: str, key_source: str, retry: RetryPolicy | None = None):
         if not base_url.startswith(("http://", "https://")):
             raise ConfigError(f"provider.api_url {base_url!r} is not an http(s) URL", "give the full URL")
         self.vendor = vendor
@@ -93,8 +99,12 @@ class JsonApi:
         the server may have acted, and a retry could create a second, untracked instance."""
         policy = self.retry
         retryable = _Transient if idempotent else _RateLimited
-        retrying = Retrying(stop=stop_after_attempt(policy.attempts), wait=self._wait,
-                            retry=retry_if_exception_type(retryable), reraise=True)
+        retrying = Retrying(
+            stop=stop_after_attempt(policy.attempts),
+            wait=self._wait,
+            retry=retry_if_exception_type(retryable),
+            reraise=True,
+        )
         try:
             for attempt in retrying:
                 with attempt:
@@ -103,8 +113,9 @@ class JsonApi:
             tries = retrying.statistics.get("attempt_number", 1)
             raise ProviderError(
                 f"{self.vendor} API kept failing on {method} {path or '/'}: {redact(exc.detail, self._key)} "
-                f"({tries} {'try' if tries == 1 else 'tries'})", f"wait a few minutes and retry; the "
-                f"{self.vendor} API is rate-limiting or down") from None
+                f"({tries} {'try' if tries == 1 else 'tries'})",
+                f"wait a few minutes and retry; the {self.vendor} API is rate-limiting or down",
+            ) from None
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _wait(self, state: RetryCallState) -> float:
@@ -116,9 +127,17 @@ class JsonApi:
 
     def _once(self, method: str, path: str, body: Any) -> Any:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base_url + path, data=data, method=method, headers={
-            "Authorization": f"Bearer {self._key}", "Accept": "application/json",
-            "Content-Type": "application/json", "User-Agent": USER_AGENT})
+        req = urllib.request.Request(
+            self.base_url + path,
+            data=data,
+            method=method,
+            headers={
+                "Authorization": f"Bearer {self._key}",
+                "Accept": "application/json",
+                "Content-Type": "application/json",
+                "User-Agent": USER_AGENT,
+            },
+        )
         try:
             with urllib.request.urlopen(req, timeout=self.retry.timeout_s) as resp:
                 raw = resp.read()
@@ -130,22 +149,27 @@ class JsonApi:
         try:
             return json.loads(raw) if raw.strip() else None
         except json.JSONDecodeError:
-            raise ProviderError(f"{self.vendor} API answered {method} {path} with non-JSON",
-                                "check provider.api_url") from None
+            raise ProviderError(
+                f"{self.vendor} API answered {method} {path} with non-JSON", "check provider.api_url"
+            ) from None
 
     def _raise_for(self, err: urllib.error.HTTPError, method: str, path: str) -> None:
         code = err.code
         detail = redact(_error_text(err), self._key)
         if code in (401, 403):
-            raise AuthError(f"{self.vendor} rejected the API key from {self.key_source} (HTTP {code})",
-                            f"check the key in {self.key_source} (a valid key with read/write access)")
+            raise AuthError(
+                f"{self.vendor} rejected the API key from {self.key_source} (HTTP {code})",
+                f"check the key in {self.key_source} (a valid key with read/write access)",
+            )
         if code == 429:
             raise _RateLimited(f"HTTP 429{': ' + detail if detail else ''}", _retry_after(err))
         if code >= 500:
             raise _Transient(f"HTTP {code}{': ' + detail if detail else ''}", _retry_after(err))
         if code == 404:
             raise ApiNotFound(f"{self.vendor}: {method} {path}: not found{': ' + detail if detail else ''}")
-        raise ProviderError(f"{self.vendor} API refused {method} {path or '/'} (HTTP {code}){': ' + detail if detail else ''}")
+        raise ProviderError(
+            f"{self.vendor} API refused {method} {path or '/'} (HTTP {code}){': ' + detail if detail else ''}"
+        )
 
 
 def _error_text(err: urllib.error.HTTPError) -> str:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from provision.core.config import GpuctlConfig, LocalProvider
 from provision.core.errors import ConfigError
+from provision.core.state import ClusterRecord, NodeRecord, state_dir
 from provision.providers.base import ProviderBackend, SelfTeardown, UpOptions
 from provision.transport.remote import LocalNode, Node
-from provision.core.state import ClusterRecord, NodeRecord, state_dir
 
 NODE_MODULES = ("torch", "deepspeed", "transformers")
 FIND_MODULES = "import importlib.util as u, sys; sys.exit(0 if all(u.find_spec(m) for m in sys.argv[1:]) else 1)"
@@ -22,8 +22,13 @@ def visible_gpus() -> list[str]:
     if not shutil.which("nvidia-smi"):
         return []
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout
     except (subprocess.SubprocessError, OSError):
         return []
     return [line.strip() for line in out.splitlines() if line.strip()]
@@ -40,18 +45,27 @@ class LocalBackend(ProviderBackend):
         python = node_python(prov)
         missing = subprocess.run([python, "-c", FIND_MODULES, *NODE_MODULES], timeout=60).returncode
         if missing:
-            raise ConfigError(f"{python} lacks torch/deepspeed/transformers needed to train here",
-                              "pip install 'gpuctl[train]' (torch first: pip install torch==2.13.0)")
+            raise ConfigError(
+                f"{python} lacks torch/deepspeed/transformers needed to train here",
+                "pip install 'gpuctl[train]' (torch first: pip install torch==2.13.0)",
+            )
         gpus = visible_gpus()
         if gpus:
             slots, accel = prov.gpus_per_node or len(gpus), "cuda"
             if slots > len(gpus):
-                raise ConfigError(f"provider.gpus_per_node is {slots} but this machine has {len(gpus)} GPUs",
-                                  f"set gpus_per_node to at most {len(gpus)}")
+                raise ConfigError(
+                    f"provider.gpus_per_node is {slots} but this machine has {len(gpus)} GPUs",
+                    f"set gpus_per_node to at most {len(gpus)}",
+                )
         else:
             slots, accel = prov.cpu_ranks, "cpu"
-        node = NodeRecord(host="localhost", slots=slots, accelerator=accel,
-                          gpu_name=gpus[0] if gpus else None, workdir=str(state_dir() / "local-node"))
+        node = NodeRecord(
+            host="localhost",
+            slots=slots,
+            accelerator=accel,
+            gpu_name=gpus[0] if gpus else None,
+            workdir=str(state_dir() / "local-node"),
+        )
         record = ClusterRecord(name=cfg.cluster_name, provider="local", nodes=[node], python=python)
         what = f"{slots} x {gpus[0]}" if gpus else f"{slots} CPU ranks (no GPU seen)"
         opts.say(f"local node: {what}")

@@ -23,10 +23,10 @@ from pathlib import Path
 
 from provision.core.config import RunPodProvider
 from provision.core.errors import NoOfferError, ProviderError
+from provision.core.state import ClusterRecord
 from provision.providers.base import Offer, SelfTeardown
 from provision.providers.cloud import CloudBackend, Instance, http_teardown, node_last
 from provision.providers.http import JsonApi, load_key
-from provision.core.state import ClusterRecord
 
 API_URL = "https://api.runpod.io/graphql"
 KEY_ENV = "RUNPOD_API_KEY"
@@ -47,7 +47,9 @@ DEPLOY = """mutation Deploy($input: PodFindAndDeployOnDemandInput!) {
 DEPLOY_SPOT = """mutation DeploySpot($input: PodRentInterruptableInput!) {
   podRentInterruptable(input: $input) { id costPerHr desiredStatus }
 }"""
-POD_FIELDS = "id name desiredStatus costPerHr runtime { uptimeInSeconds ports { ip isIpPublic privatePort publicPort type } }"
+POD_FIELDS = (
+    "id name desiredStatus costPerHr runtime { uptimeInSeconds ports { ip isIpPublic privatePort publicPort type } }"
+)
 POD = f"query Pod($input: PodFilter!) {{ pod(input: $input) {{ {POD_FIELDS} }} }}"
 PODS = f"query Pods {{ myself {{ pods {{ {POD_FIELDS} }} }} }}"
 TERMINATE = "mutation Terminate($input: PodTerminateInput!) { podTerminate(input: $input) }"
@@ -69,8 +71,10 @@ def gql(client: JsonApi, query: str, variables: dict | None = None, *, idempoten
     if errors:
         text = "; ".join(str(e.get("message", e)) if isinstance(e, dict) else str(e) for e in errors)[:300]
         if NO_CAPACITY.search(text):
-            raise NoOfferError(f"RunPod has no capacity right now: {text}",
-                               "retry later, or change provider.gpu / cloud_type / min_ram_gb")
+            raise NoOfferError(
+                f"RunPod has no capacity right now: {text}",
+                "retry later, or change provider.gpu / cloud_type / min_ram_gb",
+            )
         raise ProviderError(f"RunPod API error: {text}")
     return answer.get("data") or {}
 
@@ -78,27 +82,52 @@ def gql(client: JsonApi, query: str, variables: dict | None = None, *, idempoten
 def _instance(raw: dict) -> Instance:
     status = raw.get("desiredStatus") or "PROVISIONING"
     ports = ((raw.get("runtime") or {}).get("ports")) or []
-    ssh = next((p for p in ports if p.get("privatePort") == 22 and p.get("isIpPublic")
-                and p.get("type") == "tcp" and p.get("ip")), None)
+    ssh = next(
+        (
+            p
+            for p in ports
+            if p.get("privatePort") == 22 and p.get("isIpPublic") and p.get("type") == "tcp" and p.get("ip")
+        ),
+        None,
+    )
     booting = "RUNNING (image pulling)" if status == "RUNNING" and ssh is None else status
-    return Instance(id=str(raw["id"]), state=booting, ready=status == "RUNNING" and ssh is not None,
-                    failed=status in FAILED, address=ssh["ip"] if ssh else None,
-                    port=int(ssh["publicPort"]) if ssh else 22, user="root", label=raw.get("name") or "")
+    return Instance(
+        id=str(raw["id"]),
+        state=booting,
+        ready=status == "RUNNING" and ssh is not None,
+        failed=status in FAILED,
+        address=ssh["ip"] if ssh else None,
+        port=int(ssh["publicPort"]) if ssh else 22,
+        user="root",
+        label=raw.get("name") or "",
+    )
 
 
 class RunPodBackend(CloudBackend):
     kind = "runpod"
 
     def filters_text(self, prov: RunPodProvider) -> str:
-        parts = [f"gpuTypeId={prov.gpu}", f"gpuCount={prov.gpus_per_node}", f"minMemoryInGb={prov.min_ram_gb:g}",
-                 f"cloudType={prov.cloud_type}", "spot" if prov.interruptible else "on-demand",
-                 f"price<=${prov.max_price}/h per node" if prov.max_price else ""]
+        parts = [
+            f"gpuTypeId={prov.gpu}",
+            f"gpuCount={prov.gpus_per_node}",
+            f"minMemoryInGb={prov.min_ram_gb:g}",
+            f"cloudType={prov.cloud_type}",
+            "spot" if prov.interruptible else "on-demand",
+            f"price<=${prov.max_price}/h per node" if prov.max_price else "",
+        ]
         return "(" + ", ".join(p for p in parts if p) + ")"
 
     def find_offers(self, prov: RunPodProvider) -> list[Offer]:
         base = {"gpuCount": prov.gpus_per_node, "minMemoryInGb": int(prov.min_ram_gb)}
-        data = gql(api(prov.api_url), OFFERS, {"gpu": {"id": prov.gpu}, "secure": {**base, "secureCloud": True},
-                                                "community": {**base, "secureCloud": False}})
+        data = gql(
+            api(prov.api_url),
+            OFFERS,
+            {
+                "gpu": {"id": prov.gpu},
+                "secure": {**base, "secureCloud": True},
+                "community": {**base, "secureCloud": False},
+            },
+        )
         offers = []
         for gpu in data.get("gpuTypes") or []:
             for cloud, alias in (("SECURE", "secure"), ("COMMUNITY", "community")):
@@ -111,30 +140,49 @@ class RunPodBackend(CloudBackend):
                 total = per_gpu * prov.gpus_per_node
                 if prov.max_price and total > prov.max_price:
                     continue
-                offers.append(Offer(id=cloud, gpu_name=gpu.get("displayName") or gpu["id"],
-                                    num_gpus=prov.gpus_per_node, price_per_hour=round(total, 4),
-                                    ram_gb=prov.min_ram_gb or None, where=f"{cloud} cloud, stock "
-                                    f"{price.get('stockStatus') or '?'}", spot=prov.interruptible))
+                offers.append(
+                    Offer(
+                        id=cloud,
+                        gpu_name=gpu.get("displayName") or gpu["id"],
+                        num_gpus=prov.gpus_per_node,
+                        price_per_hour=round(total, 4),
+                        ram_gb=prov.min_ram_gb or None,
+                        where=f"{cloud} cloud, stock {price.get('stockStatus') or '?'}",
+                        spot=prov.interruptible,
+                    )
+                )
         return sorted(offers, key=lambda o: o.price_per_hour)
 
-    def launch(self, prov: RunPodProvider, cluster: ClusterRecord, label: str, offer: Offer,
-               public_key: str) -> str:
-        pod = {"name": label, "imageName": prov.image, "gpuTypeId": prov.gpu,
-               "gpuCount": prov.gpus_per_node, "cloudType": offer.id, "containerDiskInGb": int(prov.disk_gb),
-               "volumeInGb": 0, "minMemoryInGb": int(prov.min_ram_gb), "ports": "22/tcp",
-               "supportPublicIp": True, "startSsh": True,
-               # PUBLIC_KEY: RunPod's convention, read by its images and by gpuctl's entrypoint, which
-               # starts sshd with GPUCTL_SSHD=1 (images/entrypoint.sh).
-               "env": [{"key": "PUBLIC_KEY", "value": public_key}, {"key": "GPUCTL_SSHD", "value": "1"},
-                       {"key": "GPUCTL_CLUSTER", "value": cluster.name}]}
+    def launch(self, prov: RunPodProvider, cluster: ClusterRecord, label: str, offer: Offer, public_key: str) -> str:
+        pod = {
+            "name": label,
+            "imageName": prov.image,
+            "gpuTypeId": prov.gpu,
+            "gpuCount": prov.gpus_per_node,
+            "cloudType": offer.id,
+            "containerDiskInGb": int(prov.disk_gb),
+            "volumeInGb": 0,
+            "minMemoryInGb": int(prov.min_ram_gb),
+            "ports": "22/tcp",
+            "supportPublicIp": True,
+            "startSsh": True,
+            # PUBLIC_KEY: RunPod's convention, read by its images and by gpuctl's entrypoint, which
+            # starts sshd with GPUCTL_SSHD=1 (images/entrypoint.sh).
+            "env": [
+                {"key": "PUBLIC_KEY", "value": public_key},
+                {"key": "GPUCTL_SSHD", "value": "1"},
+                {"key": "GPUCTL_CLUSTER", "value": cluster.name},
+            ],
+        }
         if prov.interruptible:
             pod["bidPerGpu"] = round(offer.price_per_hour / prov.gpus_per_node, 4)
             data = gql(api(cluster.api_url), DEPLOY_SPOT, {"input": pod}, idempotent=False).get("podRentInterruptable")
         else:
             data = gql(api(cluster.api_url), DEPLOY, {"input": pod}, idempotent=False).get("podFindAndDeployOnDemand")
         if not data or not data.get("id"):
-            raise NoOfferError("RunPod did not deploy a pod (no id returned)",
-                               "retry later, or change provider.gpu / cloud_type")
+            raise NoOfferError(
+                "RunPod did not deploy a pod (no id returned)", "retry later, or change provider.gpu / cloud_type"
+            )
         return str(data["id"])
 
     def describe(self, cluster: ClusterRecord, instance_id: str) -> Instance | None:
@@ -163,8 +211,7 @@ class RunPodBackend(CloudBackend):
         if not ids:
             return None
         client = api(cluster.api_url)
-        calls = [(client.base_url, json.dumps({"query": TERMINATE, "variables": {"input": {"podId": i}}}))
-                 for i in ids]
+        calls = [(client.base_url, json.dumps({"query": TERMINATE, "variables": {"input": {"podId": i}}})) for i in ids]
         return http_teardown(cluster.python, "POST", calls, client.secret())
 
 

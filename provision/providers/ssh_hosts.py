@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from tenacity import Retrying, retry_if_exception, stop_before_delay, wait_exponential
 
-from provision.transport.ssh import mesh
 from provision.core import state
 from provision.core.config import GpuctlConfig, SSHProvider
 from provision.core.errors import ConfigError, RemoteError
 from provision.providers.base import ProviderBackend, SelfTeardown, UpOptions
 from provision.transport.remote import Node
+from provision.transport.ssh import mesh
 from provision.transport.ssh.node import ConnectError, SSHNode, parse_host_spec
 
 NODE_MODULES = ("torch", "deepspeed", "transformers")
@@ -49,10 +49,10 @@ echo "cpus=$(nproc 2>/dev/null)"'''
 
 # $1 = a run dir, $2 = signal: signal every process whose cwd is in that run dir (the
 # launcher, pdsh, DeepSpeed's per-node launcher and the ranks all `cd` there). Prints pids.
-SIGNAL_RUN = r'''for p in /proc/[0-9]*; do
+SIGNAL_RUN = r"""for p in /proc/[0-9]*; do
   c=$(readlink "$p/cwd" 2>/dev/null) || continue
   case "$c" in "$1"|"$1"/*) pid=${p#/proc/}; [ "$pid" = "$$" ] || { kill -s "$2" "$pid" 2>/dev/null && echo "$pid"; };; esac
-done; exit 0'''
+done; exit 0"""
 
 
 @dataclass
@@ -79,7 +79,7 @@ class NodeFacts:
     cpus: int | None = None
 
     @classmethod
-    def parse(cls, text: str) -> "NodeFacts":
+    def parse(cls, text: str) -> NodeFacts:
         facts = cls()
         for line in text.splitlines():
             key, _, value = line.partition("=")
@@ -140,20 +140,26 @@ def hostfile_names(found: list[Target]) -> list[str]:
     return [t.address if t.user == first else f"{t.user}@{t.address}" for t in found]
 
 
-def probe(target: Target, prov: SSHProvider, identity: str | None, deadline_s: float,
-          say: Callable[[str], None]) -> tuple[SSHNode, NodeFacts]:
+def probe(
+    target: Target, prov: SSHProvider, identity: str | None, deadline_s: float, say: Callable[[str], None]
+) -> tuple[SSHNode, NodeFacts]:
     """Connect (pinning the key on first contact) and read the node's facts; a node still
     booting (refused, no answer, no banner yet) is retried with backoff until the deadline."""
-    node = SSHNode(target.address, target.port, target.user, identity,
-                   connect_timeout=prov.connect_timeout, pin_new=True)
+    node = SSHNode(
+        target.address, target.port, target.user, identity, connect_timeout=prov.connect_timeout, pin_new=True
+    )
 
     def note(retry_state) -> None:
         exc = retry_state.outcome.exception()
         say(f"{target.where}: not ready ({exc.message.split(': ', 1)[-1]}); retrying")
 
-    retrying = Retrying(retry=retry_if_exception(lambda e: isinstance(e, ConnectError) and e.transient),
-                        wait=wait_exponential(multiplier=0.5, max=8), stop=stop_before_delay(deadline_s),
-                        before_sleep=note, reraise=True)
+    retrying = Retrying(
+        retry=retry_if_exception(lambda e: isinstance(e, ConnectError) and e.transient),
+        wait=wait_exponential(multiplier=0.5, max=8),
+        stop=stop_before_delay(deadline_s),
+        before_sleep=note,
+        reraise=True,
+    )
     for attempt in retrying:
         with attempt:
             result = node.sh(PROBE, prov.python, timeout=max(30.0, prov.connect_timeout * 3))
@@ -165,8 +171,10 @@ def slots_for(prov: SSHProvider, facts: NodeFacts, where: str) -> tuple[int, str
     if facts.gpus:
         slots = prov.gpus_per_node or len(facts.gpus)
         if slots > len(facts.gpus):
-            raise ConfigError(f"provider.gpus_per_node is {slots} but {where} has {len(facts.gpus)} GPUs",
-                              f"set gpus_per_node to at most {len(facts.gpus)}")
+            raise ConfigError(
+                f"provider.gpus_per_node is {slots} but {where} has {len(facts.gpus)} GPUs",
+                f"set gpus_per_node to at most {len(facts.gpus)}",
+            )
         return slots, "cuda", facts.gpus[0][0]
     if prov.gpus_per_node:  # no nvidia-smi on the host (e.g. only inside the container): trust the config
         return prov.gpus_per_node, "cuda", None
@@ -209,18 +217,35 @@ class SSHBackend(ProviderBackend):
         records = []
         for t, fact, name in zip(found, facts, names):
             slots, accel, gpu = slots_for(prov, fact, t.where)
-            records.append(state.NodeRecord(host=name, address=t.address, port=t.port, user=t.user, slots=slots,
-                                            accelerator=accel, gpu_name=gpu, workdir=workdir))
+            records.append(
+                state.NodeRecord(
+                    host=name,
+                    address=t.address,
+                    port=t.port,
+                    user=t.user,
+                    slots=slots,
+                    accelerator=accel,
+                    gpu_name=gpu,
+                    workdir=workdir,
+                )
+            )
             opts.say(f"{t.where}: {describe(fact, slots, accel)}")
             if fact.disk_gb is not None and fact.disk_gb < LOW_DISK_GB:
-                opts.say(f"warning: {t.where} has only {fact.disk_gb:.1f} GB free in {fact.home}; "
-                         "checkpoints may not fit")
+                opts.say(
+                    f"warning: {t.where} has only {fact.disk_gb:.1f} GB free in {fact.home}; checkpoints may not fit"
+                )
         if len({r.accelerator for r in records}) > 1:
             raise ConfigError("some hosts have GPUs and some do not", "list hosts of one kind in provider.hosts")
         python = facts[0].python if runtime == "none" and facts[0].python else prov.python
-        cluster = state.ClusterRecord(name=cfg.cluster_name, provider="ssh", nodes=records, python=python,
-                                      runtime=runtime, image=prov.image if runtime == "docker" else None,
-                                      identity_file=identity)
+        cluster = state.ClusterRecord(
+            name=cfg.cluster_name,
+            provider="ssh",
+            nodes=records,
+            python=python,
+            runtime=runtime,
+            image=prov.image if runtime == "docker" else None,
+            identity_file=identity,
+        )
         if len(records) > 1:
             self._check_multinode(cluster, found, facts, runtime)
             try:
@@ -238,20 +263,28 @@ class SSHBackend(ProviderBackend):
         if mode == "docker":
             lacking = [t.where for t, f in zip(found, facts) if not f.runtime]
             if lacking:
-                raise ConfigError(f"provider.runtime is docker but {lacking[0]} has no docker/podman",
-                                  "install Docker there, or set runtime: none with a python that has deepspeed")
+                raise ConfigError(
+                    f"provider.runtime is docker but {lacking[0]} has no docker/podman",
+                    "install Docker there, or set runtime: none with a python that has deepspeed",
+                )
             if not prov.image:
-                raise ConfigError("provider.runtime is docker but provider.image is not set",
-                                  "set provider.image to the trainer image")
+                raise ConfigError(
+                    "provider.runtime is docker but provider.image is not set",
+                    "set provider.image to the trainer image",
+                )
             return "docker"
         for t, f in zip(found, facts):
             if f.python is None and not prov.setup:
-                raise ConfigError(f"{t.where}: {prov.python} not found on the node",
-                                  "set provider.python to an interpreter there, or provider.setup to install one")
+                raise ConfigError(
+                    f"{t.where}: {prov.python} not found on the node",
+                    "set provider.python to an interpreter there, or provider.setup to install one",
+                )
             if f.missing and not prov.setup:
-                raise ConfigError(f"{t.where}: {f.python} lacks {', '.join(f.missing)}",
-                                  "pip install 'gpuctl[train]' there (torch first), set provider.python to a "
-                                  "python that has them, or set provider.setup to install them")
+                raise ConfigError(
+                    f"{t.where}: {f.python} lacks {', '.join(f.missing)}",
+                    "pip install 'gpuctl[train]' there (torch first), set provider.python to a "
+                    "python that has them, or set provider.setup to install them",
+                )
         return "none"
 
     def _workdir(self, prov: SSHProvider, nodes: list[SSHNode], facts: list[NodeFacts]) -> str:
@@ -263,32 +296,45 @@ class SSHBackend(ProviderBackend):
         elif not workdir.startswith("/"):
             workdir = f"{home}/{workdir}"
         for node in nodes:
-            result = node.sh('[ -d "$1" ] || { mkdir -p -- "$1" && chmod 700 -- "$1"; }; [ -w "$1" ]',
-                             workdir, check=False, timeout=60)
+            result = node.sh(
+                '[ -d "$1" ] || { mkdir -p -- "$1" && chmod 700 -- "$1"; }; [ -w "$1" ]',
+                workdir,
+                check=False,
+                timeout=60,
+            )
             if result.rc != 0:
-                raise ConfigError(f"{node.label}: cannot create or write {workdir}",
-                                  "set provider.workdir to a folder the SSH user may write on every node")
+                raise ConfigError(
+                    f"{node.label}: cannot create or write {workdir}",
+                    "set provider.workdir to a folder the SSH user may write on every node",
+                )
         return workdir
 
-    def _check_multinode(self, cluster: state.ClusterRecord, found: list[Target], facts: list[NodeFacts],
-                         runtime: str) -> None:
+    def _check_multinode(
+        self, cluster: state.ClusterRecord, found: list[Target], facts: list[NodeFacts], runtime: str
+    ) -> None:
         first = facts[0]
         for what, value in (("workdir", cluster.nodes[0].workdir), ("python", cluster.python)):
             if not SAFE_PATH.match(value):
-                raise ConfigError(f"provider.{what} {value!r} has spaces or shell characters; DeepSpeed's "
-                                  "multi-node launcher pastes it unquoted into the pdsh command",
-                                  f"use a {what} path of letters, digits and ._+-/ only")
+                raise ConfigError(
+                    f"provider.{what} {value!r} has spaces or shell characters; DeepSpeed's "
+                    "multi-node launcher pastes it unquoted into the pdsh command",
+                    f"use a {what} path of letters, digits and ._+-/ only",
+                )
         for tool in ("pdsh", "ssh"):
             if runtime == "none" and tool not in first.tools:
-                raise ConfigError(f"{found[0].where}: `{tool}` is not installed; DeepSpeed's multi-node "
-                                  "launcher runs pdsh over ssh from the first node",
-                                  "apt-get install -y pdsh openssh-client on the first node")
+                raise ConfigError(
+                    f"{found[0].where}: `{tool}` is not installed; DeepSpeed's multi-node "
+                    "launcher runs pdsh over ssh from the first node",
+                    "apt-get install -y pdsh openssh-client on the first node",
+                )
         if runtime == "none":
             for t, f in zip(found[1:], facts[1:]):
                 if f.python and first.python and f.python != first.python:
-                    raise ConfigError(f"python is {first.python} on {found[0].where} but {f.python} on {t.where}; "
-                                      "DeepSpeed starts the ranks with the first node's interpreter path",
-                                      "install the same python path on every node (or set provider.python)")
+                    raise ConfigError(
+                        f"python is {first.python} on {found[0].where} but {f.python} on {t.where}; "
+                        "DeepSpeed starts the ranks with the first node's interpreter path",
+                        "install the same python path on every node (or set provider.python)",
+                    )
 
     def nodes(self, cluster: state.ClusterRecord) -> list[Node]:
         return [SSHNode.from_record(n, cluster.identity_file) for n in cluster.nodes]

@@ -20,10 +20,10 @@ from pathlib import Path
 
 from provision.core.config import VastProvider
 from provision.core.errors import ProviderError
+from provision.core.state import ClusterRecord
 from provision.providers.base import Offer, SelfTeardown
 from provision.providers.cloud import CloudBackend, Instance, http_teardown, node_last
 from provision.providers.http import ApiNotFound, JsonApi, load_key
-from provision.core.state import ClusterRecord
 
 API_URL = "https://console.vast.ai/api/v0"
 KEY_ENV = "VAST_API_KEY"
@@ -62,10 +62,16 @@ def search_query(prov: VastProvider) -> dict:
 
 
 def _offer(raw: dict) -> Offer:
-    return Offer(id=str(raw["id"]), gpu_name=raw.get("gpu_name", "?"), num_gpus=int(raw.get("num_gpus") or 0),
-                 price_per_hour=float(raw["dph_total"]), ram_gb=(raw.get("cpu_ram") or 0) / MB_PER_GB or None,
-                 disk_gb=raw.get("disk_space"), where=raw.get("geolocation") or "",
-                 reliability=raw.get("reliability", raw.get("reliability2")))
+    return Offer(
+        id=str(raw["id"]),
+        gpu_name=raw.get("gpu_name", "?"),
+        num_gpus=int(raw.get("num_gpus") or 0),
+        price_per_hour=float(raw["dph_total"]),
+        ram_gb=(raw.get("cpu_ram") or 0) / MB_PER_GB or None,
+        disk_gb=raw.get("disk_space"),
+        where=raw.get("geolocation") or "",
+        reliability=raw.get("reliability", raw.get("reliability2")),
+    )
 
 
 def _instance(raw: dict) -> Instance:
@@ -76,17 +82,32 @@ def _instance(raw: dict) -> Instance:
         address, port = raw["public_ipaddr"].strip(), int(mapped[0]["HostPort"])
     elif raw.get("ssh_host") and raw.get("ssh_port"):
         address, port = raw["ssh_host"], int(raw["ssh_port"])
-    return Instance(id=str(raw["id"]), state=status, ready=status == "running" and address is not None,
-                    failed=status in FAILED, address=address, port=port, user="root", label=raw.get("label") or "")
+    return Instance(
+        id=str(raw["id"]),
+        state=status,
+        ready=status == "running" and address is not None,
+        failed=status in FAILED,
+        address=address,
+        port=port,
+        user="root",
+        label=raw.get("label") or "",
+    )
 
 
 class VastBackend(CloudBackend):
     kind = "vast"
 
     def filters_text(self, prov: VastProvider) -> str:
-        parts = [f"gpu_name={prov.gpu}", f"num_gpus={prov.gpus_per_node}", f"cpu_ram>={prov.min_ram_gb:g} GB",
-                 f"disk_space>={prov.disk_gb:g} GB", f"reliability>={prov.reliability}", "rentable",
-                 "verified" if prov.verified else "", f"dph_total<=${prov.max_price}/h" if prov.max_price else ""]
+        parts = [
+            f"gpu_name={prov.gpu}",
+            f"num_gpus={prov.gpus_per_node}",
+            f"cpu_ram>={prov.min_ram_gb:g} GB",
+            f"disk_space>={prov.disk_gb:g} GB",
+            f"reliability>={prov.reliability}",
+            "rentable",
+            "verified" if prov.verified else "",
+            f"dph_total<=${prov.max_price}/h" if prov.max_price else "",
+        ]
         return "(" + ", ".join(p for p in parts if p) + ")"
 
     def find_offers(self, prov: VastProvider) -> list[Offer]:
@@ -97,19 +118,27 @@ class VastBackend(CloudBackend):
     def picks(self, offers: list[Offer], nodes: int) -> list[Offer]:
         """Each Vast offer is one machine: n nodes take the n cheapest."""
         if len(offers) < nodes:
-            raise ProviderError(f"only {len(offers)} Vast.ai offer(s) match, {nodes} nodes asked",
-                                "lower provider.nodes or relax the filters")
+            raise ProviderError(
+                f"only {len(offers)} Vast.ai offer(s) match, {nodes} nodes asked",
+                "lower provider.nodes or relax the filters",
+            )
         return offers[:nodes]
 
-    def launch(self, prov: VastProvider, cluster: ClusterRecord, label: str, offer: Offer,
-               public_key: str) -> str:
+    def launch(self, prov: VastProvider, cluster: ClusterRecord, label: str, offer: Offer, public_key: str) -> str:
         client = api(cluster.api_url)
-        body = {"image": prov.image, "disk": prov.disk_gb, "runtype": "ssh_direct", "label": label,
-                "env": {"GPUCTL_CLUSTER": cluster.name}}
+        body = {
+            "image": prov.image,
+            "disk": prov.disk_gb,
+            "runtype": "ssh_direct",
+            "label": label,
+            "env": {"GPUCTL_CLUSTER": cluster.name},
+        }
         answer = client.request("PUT", f"/asks/{offer.id}/", body, idempotent=False) or {}
         if not answer.get("success") or not answer.get("new_contract"):
-            raise ProviderError(f"Vast.ai did not rent offer {offer.id}: {answer.get('msg') or answer}",
-                                "the offer may be taken; retry `gpuctl up`")
+            raise ProviderError(
+                f"Vast.ai did not rent offer {offer.id}: {answer.get('msg') or answer}",
+                "the offer may be taken; retry `gpuctl up`",
+            )
         instance_id = str(answer["new_contract"])
         try:
             client.request("POST", f"/instances/{instance_id}/ssh/", {"ssh_key": public_key})

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 IGNORE_FILES = (".gitignore", ".gpuctlignore")
 
@@ -50,7 +50,7 @@ def _glob_to_regex(glob: str) -> str:
                 out.append(re.escape(c))
                 i += 1
             else:
-                body = glob[i + 1:end].replace("\\", "\\\\")
+                body = glob[i + 1 : end].replace("\\", "\\\\")
                 out.append("[" + ("^" + body[1:] if body.startswith("!") else body) + "]")
                 i = end + 1
         elif c == "\\" and i + 1 < len(glob):
@@ -90,6 +90,7 @@ def walk_shipped(root: Path) -> Iterator[tuple[str, Path, str]]:
     Ignore files in any folder apply below it, as git does; the last matching rule wins, and
     an ignored folder is skipped whole.
     """
+
     def rules_in(folder: Path, prefix: str) -> list[tuple[str, IgnoreRule]]:
         found = []
         for name in IGNORE_FILES:
@@ -103,7 +104,7 @@ def walk_shipped(root: Path) -> Iterator[tuple[str, Path, str]]:
         for prefix, rule in rules:
             if prefix and not rel.startswith(prefix + "/"):
                 continue
-            sub = rel[len(prefix) + 1:] if prefix else rel
+            sub = rel[len(prefix) + 1 :] if prefix else rel
             if rule.dir_only and not is_dir:
                 continue
             if rule.regex.match(sub):

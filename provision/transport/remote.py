@@ -10,9 +10,9 @@ import shlex
 import shutil
 import subprocess
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from provision.core.errors import RemoteError
 
@@ -38,8 +38,15 @@ class Node:
 
     label = "node"
 
-    def run(self, argv: list[str], *, check: bool = True, timeout: float | None = None,
-            stream: LineSink | None = None, stdin: bytes | None = None) -> CommandResult:
+    def run(
+        self,
+        argv: list[str],
+        *,
+        check: bool = True,
+        timeout: float | None = None,
+        stream: LineSink | None = None,
+        stdin: bytes | None = None,
+    ) -> CommandResult:
         raise NotImplementedError
 
     def put_dir(self, local: Path, remote: str) -> None:
@@ -48,11 +55,11 @@ class Node:
     def close(self) -> None:
         """Release connections; safe to call twice."""
 
-    def sh(self, script: str, *args: str, check: bool = True, timeout: float | None = None,
-           stream: LineSink | None = None) -> CommandResult:
+    def sh(
+        self, script: str, *args: str, check: bool = True, timeout: float | None = None, stream: LineSink | None = None
+    ) -> CommandResult:
         """Run a fixed bash script; values travel as positional args, never pasted into it."""
-        return self.run(["bash", "-c", script, "gpuctl", *args], check=check, timeout=timeout,
-                        stream=stream)
+        return self.run(["bash", "-c", script, "gpuctl", *args], check=check, timeout=timeout, stream=stream)
 
     def read_text(self, path: str) -> str | None:
         result = self.sh('[ -f "$1" ] && cat -- "$1"', path, check=False, timeout=60)
@@ -103,14 +110,28 @@ class LocalNode(Node):
 
     label = "localhost"
 
-    def run(self, argv: list[str], *, check: bool = True, timeout: float | None = None,
-            stream: LineSink | None = None, stdin: bytes | None = None) -> CommandResult:
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    def run(
+        self,
+        argv: list[str],
+        *,
+        check: bool = True,
+        timeout: float | None = None,
+        stream: LineSink | None = None,
+        stdin: bytes | None = None,
+    ) -> CommandResult:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         out: list[str] = []
         err: list[str] = []
-        pumps = [threading.Thread(target=_pump, args=(proc.stdout, stream, out), daemon=True),
-                 threading.Thread(target=_pump, args=(proc.stderr, None, err), daemon=True)]
+        pumps = [
+            threading.Thread(target=_pump, args=(proc.stdout, stream, out), daemon=True),
+            threading.Thread(target=_pump, args=(proc.stderr, None, err), daemon=True),
+        ]
         for pump in pumps:
             pump.start()
         if stdin is not None:

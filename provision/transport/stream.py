@@ -10,7 +10,7 @@ from __future__ import annotations
 import shlex
 import subprocess
 import threading
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from provision.core.errors import RemoteError
 from provision.transport.remote import CommandResult, LocalNode, Node
@@ -18,8 +18,9 @@ from provision.transport.remote import CommandResult, LocalNode, Node
 ByteSink = Callable[[int], None]
 
 
-def pipe_into(node: Node, argv: list[str], chunks: Iterable[bytes], *, on_bytes: ByteSink | None = None,
-              check: bool = True) -> CommandResult:
+def pipe_into(
+    node: Node, argv: list[str], chunks: Iterable[bytes], *, on_bytes: ByteSink | None = None, check: bool = True
+) -> CommandResult:
     """Run argv on node with chunks as its stdin; on_bytes(n) after each chunk is handed over."""
     if isinstance(node, LocalNode):
         result = _local(argv, chunks, on_bytes)
@@ -83,8 +84,10 @@ def _ssh(node, argv: list[str], chunks: Iterable[bytes], on_bytes: ByteSink | No
         chan.exec_command(command)
     except lost as exc:
         node.drop_connection()
-        raise RemoteError(f"{node.label}: connection lost ({exc or type(exc).__name__})",
-                          "check the node; gpuctl reconnects on the next command") from None
+        raise RemoteError(
+            f"{node.label}: connection lost ({exc or type(exc).__name__})",
+            "check the node; gpuctl reconnects on the next command",
+        ) from None
     out, err = bytearray(), bytearray()
     # paramiko channels take one sender and one receiver thread at a time.
     pumps = [_drain(lambda: chan.recv(65536), out), _drain(lambda: chan.recv_stderr(65536), err)]
@@ -99,15 +102,19 @@ def _ssh(node, argv: list[str], chunks: Iterable[bytes], on_bytes: ByteSink | No
         except lost:
             if not chan.exit_status_ready() and not chan.get_transport().is_active():
                 node.drop_connection()
-                raise RemoteError(f"{node.label}: connection lost while streaming to {argv[0]}",
-                                  "retry; a half-sent stream changes nothing on the node") from None
+                raise RemoteError(
+                    f"{node.label}: connection lost while streaming to {argv[0]}",
+                    "retry; a half-sent stream changes nothing on the node",
+                ) from None
         if not chan.closed:
             chan.shutdown_write()
         while not chan.status_event.wait(1.0):
             if not chan.get_transport().is_active():
                 node.drop_connection()
-                raise RemoteError(f"{node.label}: connection lost waiting for {argv[0]}",
-                                  "check the node; gpuctl reconnects on the next command")
+                raise RemoteError(
+                    f"{node.label}: connection lost waiting for {argv[0]}",
+                    "check the node; gpuctl reconnects on the next command",
+                )
         rc = chan.recv_exit_status()
         for pump in pumps:
             pump.join(timeout=30)

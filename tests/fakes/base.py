@@ -56,7 +56,7 @@ class FakeApi:
         self.server: ThreadingHTTPServer | None = None
 
     # lifecycle ---------------------------------------------------------------------------------
-    def start(self) -> "FakeApi":
+    def start(self) -> FakeApi:
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -99,8 +99,9 @@ class FakeApi:
             self.raw_paths.append(req.path)
             if self.fail_next:
                 status = self.fail_next.pop(0)
-                return self._reply(req, status, {"error": "injected", "msg": f"injected HTTP {status}"},
-                                   {"Retry-After": "0"})
+                return self._reply(
+                    req, status, {"error": "injected", "msg": f"injected HTTP {status}"}, {"Retry-After": "0"}
+                )
             token = (req.headers.get("Authorization") or "").removeprefix("Bearer ").strip()
             if token != self.key and query.get("api_key") != self.key:
                 return self._reply(req, 401, self.unauthorized())

@@ -7,8 +7,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import yaml
 
@@ -18,10 +18,18 @@ REPO = Path(__file__).resolve().parents[2]
 GPUCTL = [sys.executable, "-m", "provision.cli"]
 
 
-def gpuctl(*args: str, cwd: Path, env: dict | None = None, timeout: float = 600,
-           input: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*GPUCTL, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})}, input=input)
+def gpuctl(
+    *args: str, cwd: Path, env: dict | None = None, timeout: float = 600, input: str | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*GPUCTL, *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        input=input,
+    )
 
 
 def ssh_target(sshd) -> SshTarget:
@@ -31,8 +39,7 @@ def ssh_target(sshd) -> SshTarget:
 def node_fields(tmp: Path, ranks: int = 3) -> dict:
     """Provider fields that make the loopback sshd a usable node: this venv's python, a scratch
     workdir, and CPU ranks (the stand-in has no GPU: its nvidia-smi is absent)."""
-    return {"python": sys.executable, "workdir": str(tmp / "node"), "cpu_ranks_fallback": ranks,
-            "ready_timeout": 120}
+    return {"python": sys.executable, "workdir": str(tmp / "node"), "cpu_ranks_fallback": ranks, "ready_timeout": 120}
 
 
 def write_config(project: Path, provider: dict, *, name: str, teardown: str = "never", **train) -> Path:
@@ -42,8 +49,9 @@ def write_config(project: Path, provider: dict, *, name: str, teardown: str = "n
         "teardown": teardown,
         "train": {"max_steps": 4, "checkpoint_every": 0, "log_every": 1, **train},
         # the node's launch.sh does not inherit the test's env: share DeepSpeed's op cache explicitly
-        "env": {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
-                                                       str(REPO / ".cache" / "torch_extensions"))},
+        "env": {
+            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+        },
     }
     path = project / "gpuctl.yaml"
     path.write_text(yaml.safe_dump(cfg))

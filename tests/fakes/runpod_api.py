@@ -24,31 +24,108 @@ from dataclasses import dataclass, field
 
 from tests.fakes.base import ApiError, FakeApi
 
-POD_FIELDS = {"id", "name", "desiredStatus", "imageName", "costPerHr", "gpuCount", "memoryInGb", "vcpuCount",
-              "containerDiskInGb", "volumeInGb", "env", "uptimeSeconds", "lastStatusChange", "machineId",
-              "podType", "ports", "runtime", "uptimeInSeconds", "ip", "isIpPublic", "privatePort", "publicPort",
-              "type", "gpus", "gpuUtilPercent", "memoryUtilPercent", "machine", "podHostId", "gpuDisplayName"}
-GPU_FIELDS = {"id", "displayName", "memoryInGb", "securePrice", "communityPrice", "secureSpotPrice",
-              "communitySpotPrice", "lowestPrice", "minimumBidPrice", "uninterruptablePrice", "stockStatus",
-              "maxGpuCount", "secureCloud", "communityCloud", "minMemory", "minVcpu"}
+POD_FIELDS = {
+    "id",
+    "name",
+    "desiredStatus",
+    "imageName",
+    "costPerHr",
+    "gpuCount",
+    "memoryInGb",
+    "vcpuCount",
+    "containerDiskInGb",
+    "volumeInGb",
+    "env",
+    "uptimeSeconds",
+    "lastStatusChange",
+    "machineId",
+    "podType",
+    "ports",
+    "runtime",
+    "uptimeInSeconds",
+    "ip",
+    "isIpPublic",
+    "privatePort",
+    "publicPort",
+    "type",
+    "gpus",
+    "gpuUtilPercent",
+    "memoryUtilPercent",
+    "machine",
+    "podHostId",
+    "gpuDisplayName",
+}
+GPU_FIELDS = {
+    "id",
+    "displayName",
+    "memoryInGb",
+    "securePrice",
+    "communityPrice",
+    "secureSpotPrice",
+    "communitySpotPrice",
+    "lowestPrice",
+    "minimumBidPrice",
+    "uninterruptablePrice",
+    "stockStatus",
+    "maxGpuCount",
+    "secureCloud",
+    "communityCloud",
+    "minMemory",
+    "minVcpu",
+}
 ROOTS = {"podFindAndDeployOnDemand", "podRentInterruptable", "podTerminate", "pod", "myself", "pods", "gpuTypes"}
-DEPLOY_INPUT = {"cloudType", "gpuCount", "volumeInGb", "containerDiskInGb", "minVcpuCount", "minMemoryInGb",
-                "gpuTypeId", "name", "imageName", "dockerArgs", "ports", "volumeMountPath", "env", "startSsh",
-                "startJupyter", "supportPublicIp", "dataCenterId", "countryCode", "templateId", "networkVolumeId",
-                "allowedCudaVersions", "minDownload", "minUpload", "cudaVersion", "volumeKey"}
-NO_CAPACITY = ("There are no longer any instances available with the requested specifications. "
-               "Please refresh and try again.")
+DEPLOY_INPUT = {
+    "cloudType",
+    "gpuCount",
+    "volumeInGb",
+    "containerDiskInGb",
+    "minVcpuCount",
+    "minMemoryInGb",
+    "gpuTypeId",
+    "name",
+    "imageName",
+    "dockerArgs",
+    "ports",
+    "volumeMountPath",
+    "env",
+    "startSsh",
+    "startJupyter",
+    "supportPublicIp",
+    "dataCenterId",
+    "countryCode",
+    "templateId",
+    "networkVolumeId",
+    "allowedCudaVersions",
+    "minDownload",
+    "minUpload",
+    "cudaVersion",
+    "volumeKey",
+}
+NO_CAPACITY = (
+    "There are no longer any instances available with the requested specifications. Please refresh and try again."
+)
 
 
 def gpu_type(id="NVIDIA GeForce RTX 4090", name="RTX 4090", secure=0.69, community=0.34) -> dict:
-    return {"id": id, "displayName": name, "memoryInGb": 24, "securePrice": secure, "communityPrice": community,
-            "secureSpotPrice": round(secure * 0.6, 3), "communitySpotPrice": round(community * 0.6, 3),
-            "maxGpuCount": 8, "secureCloud": True, "communityCloud": True}
+    return {
+        "id": id,
+        "displayName": name,
+        "memoryInGb": 24,
+        "securePrice": secure,
+        "communityPrice": community,
+        "secureSpotPrice": round(secure * 0.6, 3),
+        "communitySpotPrice": round(community * 0.6, 3),
+        "maxGpuCount": 8,
+        "secureCloud": True,
+        "communityCloud": True,
+    }
 
 
 @dataclass
 class FakeRunPod(FakeApi):
-    gpu_types: list[dict] = field(default_factory=lambda: [gpu_type(), gpu_type("NVIDIA RTX A6000", "RTX A6000", 0.79, 0.49)])
+    gpu_types: list[dict] = field(
+        default_factory=lambda: [gpu_type(), gpu_type("NVIDIA RTX A6000", "RTX A6000", 0.79, 0.49)]
+    )
     host_memory_gb: int = 251  # the biggest machine: minMemoryInGb above this finds none
     pods: dict[str, dict] = field(default_factory=dict)
     terminated: list[str] = field(default_factory=list)
@@ -78,7 +155,7 @@ class FakeRunPod(FakeApi):
 
     # a little GraphQL ----------------------------------------------------------------------------
     def _check_fields(self, text: str) -> None:
-        body = text[text.index("{"):]
+        body = text[text.index("{") :]
         body = re.sub(r"\([^()]*\)", "", body)  # arguments
         body = re.sub(r"\b\w+\s*:\s*(?=\w)", "", body)  # aliases
         for name in re.findall(r"[A-Za-z_]\w*", body):
@@ -152,11 +229,20 @@ class FakeRunPod(FakeApi):
         secure = arg["cloudType"] == "SECURE"
         per_gpu = arg["bidPerGpu"] if spot else gpu["securePrice" if secure else "communityPrice"]
         public_key = next((e["value"] for e in env if e["key"] == "PUBLIC_KEY"), "")
-        pod = {"id": next(self._ids), "name": arg.get("name", ""), "imageName": arg["imageName"],
-               "gpuCount": arg.get("gpuCount", 1), "costPerHr": round(per_gpu * arg.get("gpuCount", 1), 3),
-               "env": [f"{e['key']}={e['value']}" for e in env], "ports": arg.get("ports"),
-               "containerDiskInGb": arg.get("containerDiskInGb"), "volumeInGb": arg.get("volumeInGb"),
-               "_reads": 0, "_public_key": public_key, "_gpu": gpu}
+        pod = {
+            "id": next(self._ids),
+            "name": arg.get("name", ""),
+            "imageName": arg["imageName"],
+            "gpuCount": arg.get("gpuCount", 1),
+            "costPerHr": round(per_gpu * arg.get("gpuCount", 1), 3),
+            "env": [f"{e['key']}={e['value']}" for e in env],
+            "ports": arg.get("ports"),
+            "containerDiskInGb": arg.get("containerDiskInGb"),
+            "volumeInGb": arg.get("volumeInGb"),
+            "_reads": 0,
+            "_public_key": public_key,
+            "_gpu": gpu,
+        }
         if public_key and self.ssh:
             self.ssh.add_key(public_key)
         self.pods[pod["id"]] = pod
@@ -168,14 +254,27 @@ class FakeRunPod(FakeApi):
         booted = pod["_reads"] > self.boot_polls and self.ssh is not None
         runtime = None
         if booted:
-            runtime = {"uptimeInSeconds": pod["_reads"], "gpus": [],
-                       "ports": [{"ip": self.ssh.address, "isIpPublic": True, "privatePort": 22,
-                                  "publicPort": self.ssh.port, "type": "tcp"},
-                                 {"ip": "10.0.0.7", "isIpPublic": False, "privatePort": 22,
-                                  "publicPort": 22, "type": "tcp"}]}
+            runtime = {
+                "uptimeInSeconds": pod["_reads"],
+                "gpus": [],
+                "ports": [
+                    {
+                        "ip": self.ssh.address,
+                        "isIpPublic": True,
+                        "privatePort": 22,
+                        "publicPort": self.ssh.port,
+                        "type": "tcp",
+                    },
+                    {"ip": "10.0.0.7", "isIpPublic": False, "privatePort": 22, "publicPort": 22, "type": "tcp"},
+                ],
+            }
         view = {k: v for k, v in pod.items() if not k.startswith("_")}
-        view.update(desiredStatus="RUNNING", runtime=runtime, uptimeSeconds=pod["_reads"],
-                    machine={"podHostId": f"{pod['id']}-host", "gpuDisplayName": pod["_gpu"]["displayName"]})
+        view.update(
+            desiredStatus="RUNNING",
+            runtime=runtime,
+            uptimeSeconds=pod["_reads"],
+            machine={"podHostId": f"{pod['id']}-host", "gpuDisplayName": pod["_gpu"]["displayName"]},
+        )
         return view
 
 

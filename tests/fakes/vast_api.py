@@ -24,21 +24,71 @@ from dataclasses import dataclass, field
 from tests.fakes.base import ApiError, FakeApi
 
 CONTROL = {"order", "limit", "type", "allocated_storage", "disable_bundling", "external"}
-OPS = {"eq": lambda a, b: a == b, "neq": lambda a, b: a != b, "gt": lambda a, b: a > b,
-       "gte": lambda a, b: a >= b, "lt": lambda a, b: a < b, "lte": lambda a, b: a <= b,
-       "in": lambda a, b: a in b, "notin": lambda a, b: a not in b}
-CREATE_FIELDS = {"image", "template_hash_id", "label", "disk", "runtype", "target_state", "price", "env",
-                 "onstart", "args", "args_str", "image_login", "cancel_unavail", "client_id"}
+OPS = {
+    "eq": lambda a, b: a == b,
+    "neq": lambda a, b: a != b,
+    "gt": lambda a, b: a > b,
+    "gte": lambda a, b: a >= b,
+    "lt": lambda a, b: a < b,
+    "lte": lambda a, b: a <= b,
+    "in": lambda a, b: a in b,
+    "notin": lambda a, b: a not in b,
+}
+CREATE_FIELDS = {
+    "image",
+    "template_hash_id",
+    "label",
+    "disk",
+    "runtype",
+    "target_state",
+    "price",
+    "env",
+    "onstart",
+    "args",
+    "args_str",
+    "image_login",
+    "cancel_unavail",
+    "client_id",
+}
 RUNTYPES = {"ssh", "jupyter", "args", "ssh_proxy", "ssh_direct", "jupyter_proxy", "jupyter_direct"}
 
 
-def offer(id: int, *, gpu="RTX 4090", n=3, ram_mb=257_000, disk=500.0, price=1.05, reliability=0.995,
-          verified=True, rentable=True, where="Fakeland, FK") -> dict:
-    return {"id": id, "ask_contract_id": id, "machine_id": id + 50_000, "gpu_name": gpu, "num_gpus": n,
-            "cpu_ram": ram_mb, "cpu_cores": 64, "disk_space": disk, "dph_total": price, "dph_base": price * 0.9,
-            "reliability": reliability, "verified": verified, "rentable": rentable, "rented": False,
-            "direct_port_count": 40, "geolocation": where, "inet_down": 900.0, "inet_up": 800.0,
-            "gpu_ram": 24564, "cuda_max_good": 12.4, "external": False}
+def offer(
+    id: int,
+    *,
+    gpu="RTX 4090",
+    n=3,
+    ram_mb=257_000,
+    disk=500.0,
+    price=1.05,
+    reliability=0.995,
+    verified=True,
+    rentable=True,
+    where="Fakeland, FK",
+) -> dict:
+    return {
+        "id": id,
+        "ask_contract_id": id,
+        "machine_id": id + 50_000,
+        "gpu_name": gpu,
+        "num_gpus": n,
+        "cpu_ram": ram_mb,
+        "cpu_cores": 64,
+        "disk_space": disk,
+        "dph_total": price,
+        "dph_base": price * 0.9,
+        "reliability": reliability,
+        "verified": verified,
+        "rentable": rentable,
+        "rented": False,
+        "direct_port_count": 40,
+        "geolocation": where,
+        "inet_down": 900.0,
+        "inet_up": 800.0,
+        "gpu_ram": 24564,
+        "cuda_max_good": 12.4,
+        "external": False,
+    }
 
 
 def default_offers() -> list[dict]:
@@ -123,22 +173,34 @@ class FakeVast(FakeApi):
     def _create(self, offer_id: int, body: dict) -> tuple[int, dict]:
         unknown = set(body) - CREATE_FIELDS
         if unknown or not body.get("image") or body.get("runtype", "ssh") not in RUNTYPES:
-            raise ApiError(400, {"success": False, "error": "invalid_args", "msg": f"bad create body {sorted(unknown)}"})
+            raise ApiError(
+                400, {"success": False, "error": "invalid_args", "msg": f"bad create body {sorted(unknown)}"}
+            )
         if not isinstance(body.get("env", {}), dict):
             raise ApiError(400, {"success": False, "error": "invalid_args", "msg": "env must be an object"})
         ask = next((o for o in self.offers if o["id"] == offer_id), None)
         if ask is None:
-            raise ApiError(404, {"success": False, "error": "no_such_ask", "msg": "Offer not found", "ask_id": offer_id})
+            raise ApiError(
+                404, {"success": False, "error": "no_such_ask", "msg": "Offer not found", "ask_id": offer_id}
+            )
         if ask["rented"]:
             raise ApiError(410, {"success": False, "error": "no_such_ask", "msg": "Offer no longer available"})
         ask["rented"] = True
         self.created_bodies.append(body)
         instance_id = next(self._ids)
         self.instances[instance_id] = {
-            "id": instance_id, "ask": ask, "label": body.get("label"), "image_uuid": body["image"],
-            "image_runtype": body.get("runtype", "ssh"), "extra_env": body.get("env", {}),
-            "onstart": body.get("onstart"), "disk_space": body.get("disk", 8), "start_date": time.time(),
-            "_reads": 0, "_keys": []}
+            "id": instance_id,
+            "ask": ask,
+            "label": body.get("label"),
+            "image_uuid": body["image"],
+            "image_runtype": body.get("runtype", "ssh"),
+            "extra_env": body.get("env", {}),
+            "onstart": body.get("onstart"),
+            "disk_space": body.get("disk", 8),
+            "start_date": time.time(),
+            "_reads": 0,
+            "_keys": [],
+        }
         if self.lose_create_answer:
             raise ApiError(502, {"detail": "Bad Gateway"})
         return 200, {"success": True, "new_contract": instance_id}
@@ -155,13 +217,25 @@ class FakeVast(FakeApi):
         status = None if inst["_reads"] == 1 else "running" if inst["_reads"] > self.boot_polls else "loading"
         running = status == "running" and self.ssh is not None
         return {
-            "id": inst["id"], "actual_status": status, "intended_status": "running", "cur_state": "running",
-            "label": inst["label"], "image_uuid": inst["image_uuid"], "image_runtype": inst["image_runtype"],
-            "extra_env": inst["extra_env"], "onstart": inst["onstart"], "machine_id": ask["machine_id"],
-            "gpu_name": ask["gpu_name"], "num_gpus": ask["num_gpus"], "cpu_ram": ask["cpu_ram"],
-            "disk_space": inst["disk_space"], "dph_total": ask["dph_total"], "start_date": inst["start_date"],
+            "id": inst["id"],
+            "actual_status": status,
+            "intended_status": "running",
+            "cur_state": "running",
+            "label": inst["label"],
+            "image_uuid": inst["image_uuid"],
+            "image_runtype": inst["image_runtype"],
+            "extra_env": inst["extra_env"],
+            "onstart": inst["onstart"],
+            "machine_id": ask["machine_id"],
+            "gpu_name": ask["gpu_name"],
+            "num_gpus": ask["num_gpus"],
+            "cpu_ram": ask["cpu_ram"],
+            "disk_space": inst["disk_space"],
+            "dph_total": ask["dph_total"],
+            "start_date": inst["start_date"],
             "public_ipaddr": self.addresses[(inst["id"] - 7_000_001) % len(self.addresses)] if running else None,
             "ports": {"22/tcp": [{"HostIp": "0.0.0.0", "HostPort": str(self.ssh.port)}]} if running else {},
-            "ssh_host": "ssh5.fake.vast.ai", "ssh_port": 20000 + inst["id"] % 10000,
+            "ssh_host": "ssh5.fake.vast.ai",
+            "ssh_port": 20000 + inst["id"] % 10000,
             "direct_port_count": ask["direct_port_count"],
         }

@@ -17,10 +17,10 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
 
 ProgressFn = Callable[[int, int], None]
 

@@ -6,18 +6,43 @@ never credentials. boto3 is imported inside the class only (the laptop CLI start
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
-from trainer.objstore.backends import DownloadItem, ObjectStat, Progress, StorageAuthError, StorageError, StorageNotFound, StorageUnavailable, UploadItem
+from trainer.objstore.backends import (
+    DownloadItem,
+    ObjectStat,
+    Progress,
+    StorageAuthError,
+    StorageError,
+    StorageNotFound,
+    StorageUnavailable,
+    UploadItem,
+)
 
 _AUTH_CODES = {
-    "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
-    "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled", "AccountProblem",
-    "Forbidden", "403", "401", "Unauthorized", "UnauthorizedAccess",
+    "AccessDenied",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "TokenRefreshRequired",
+    "AllAccessDisabled",
+    "AccountProblem",
+    "Forbidden",
+    "403",
+    "401",
+    "Unauthorized",
+    "UnauthorizedAccess",
 }
-_THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
-                   "ServiceUnavailable", "InternalError"}
+_THROTTLE_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestTimeout",
+    "ServiceUnavailable",
+    "InternalError",
+}
 
 
 @dataclass(frozen=True)
@@ -35,9 +60,15 @@ class S3Options:
 class S3Backend:
     """An S3 bucket/prefix through boto3's transfer manager (threads, multipart, retries)."""
 
-    def __init__(self, bucket: str, prefix: str, endpoint_url: str | None = None,
-                 region: str | None = None, profile: str | None = None,
-                 options: S3Options = S3Options()):
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        profile: str | None = None,
+        options: S3Options = S3Options(),
+    ):
         self.bucket, self.prefix = bucket, prefix.strip("/")
         self.endpoint_url, self.region, self.profile = endpoint_url, region, profile
         self.options = options
@@ -66,7 +97,8 @@ class S3Backend:
         except bx.ProfileNotFound:
             raise StorageAuthError(
                 f"AWS profile {self.profile!r} not found for {self.url}: "
-                "check storage.profile / AWS_PROFILE and ~/.aws/config") from None
+                "check storage.profile / AWS_PROFILE and ~/.aws/config"
+            ) from None
         cfg = Config(
             region_name=self.region or session.region_name or "us-east-1",
             retries={"mode": "standard", "total_max_attempts": o.max_attempts},
@@ -109,27 +141,30 @@ class S3Backend:
                 return StorageAuthError(
                     f"S3 access denied for {where} while {what} ({code or status}): "
                     "check AWS_PROFILE / AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
-                    "and that the key may read and write this bucket")
+                    "and that the key may read and write this bucket"
+                )
             if code == "NoSuchBucket":
                 return StorageNotFound(
                     f"S3 bucket {self.bucket!r} does not exist at {where}: "
-                    "create it or fix storage.url / storage.endpoint_url")
+                    "create it or fix storage.url / storage.endpoint_url"
+                )
             if code in ("NoSuchKey", "404", "NotFound"):
                 return StorageNotFound(f"{where}: object missing while {what}")
             if status >= 500 or code in _THROTTLE_CODES:
-                return StorageUnavailable(f"S3 at {where} is unavailable while {what} "
-                                          f"({code or status})")
+                return StorageUnavailable(f"S3 at {where} is unavailable while {what} ({code or status})")
             return StorageError(f"S3 error {code or status} for {where} while {what}")
         if isinstance(exc, (bx.NoCredentialsError, bx.PartialCredentialsError)):
             return StorageAuthError(
-                f"no usable AWS credentials for {where}: set AWS_PROFILE or "
-                "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
-        if isinstance(exc, (bx.ConnectionError, bx.HTTPClientError, bx.IncompleteReadError,
-                            ConnectionError, TimeoutError)):
+                f"no usable AWS credentials for {where}: set AWS_PROFILE or AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
+            )
+        if isinstance(
+            exc, (bx.ConnectionError, bx.HTTPClientError, bx.IncompleteReadError, ConnectionError, TimeoutError)
+        ):
             return StorageUnavailable(
                 f"cannot reach S3 endpoint {self.endpoint_url or 'AWS'} for {self.url} "
                 f"while {what} ({type(exc).__name__}): check storage.endpoint_url and that "
-                "the server is up")
+                "the server is up"
+            )
         return StorageError(f"S3 client error for {where} while {what} ({type(exc).__name__})")
 
     def _call(self, what: str, fn, *args, **kwargs):
@@ -145,14 +180,18 @@ class S3Backend:
         full = self._key(prefix) if prefix else (f"{self.prefix}/" if self.prefix else "")
         strip = len(self.prefix) + 1 if self.prefix else 0
         out: dict[str, ObjectStat] = {}
-        pages = self._call(f"listing {full or '/'}", self.client.get_paginator("list_objects_v2")
-                           .paginate, Bucket=self.bucket, Prefix=full)
+        pages = self._call(
+            f"listing {full or '/'}",
+            self.client.get_paginator("list_objects_v2").paginate,
+            Bucket=self.bucket,
+            Prefix=full,
+        )
         from botocore import exceptions as bx
+
         try:
             for page in pages:
                 for obj in page.get("Contents", ()):
-                    out[obj["Key"][strip:]] = ObjectStat(int(obj["Size"]),
-                                                         obj["LastModified"].timestamp())
+                    out[obj["Key"][strip:]] = ObjectStat(int(obj["Size"]), obj["LastModified"].timestamp())
         except (bx.ClientError, bx.BotoCoreError) as exc:
             raise self._error(exc, f"listing {full or '/'}") from exc
         return out
@@ -171,8 +210,7 @@ class S3Backend:
             raise self._error(exc, f"reading {key}") from exc
 
     def write_bytes(self, key: str, data: bytes) -> None:
-        self._call(f"writing {key}", self.client.put_object, Bucket=self.bucket,
-                   Key=self._key(key), Body=data)
+        self._call(f"writing {key}", self.client.put_object, Bucket=self.bucket, Key=self._key(key), Body=data)
 
     def head_sha256(self, key: str) -> str | None:
         from botocore import exceptions as bx
@@ -190,13 +228,19 @@ class S3Backend:
     def delete(self, keys: Iterable[str]) -> None:
         keys = list(keys)
         for i in range(0, len(keys), 1000):
-            batch = [{"Key": self._key(k)} for k in keys[i:i + 1000]]
-            resp = self._call("deleting objects", self.client.delete_objects,
-                              Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+            batch = [{"Key": self._key(k)} for k in keys[i : i + 1000]]
+            resp = self._call(
+                "deleting objects",
+                self.client.delete_objects,
+                Bucket=self.bucket,
+                Delete={"Objects": batch, "Quiet": True},
+            )
             if resp.get("Errors"):
                 first = resp["Errors"][0]
-                raise StorageError(f"could not delete {len(resp['Errors'])} objects under "
-                                   f"{self.url} (first: {first.get('Key')}: {first.get('Code')})")
+                raise StorageError(
+                    f"could not delete {len(resp['Errors'])} objects under "
+                    f"{self.url} (first: {first.get('Key')}: {first.get('Code')})"
+                )
 
     def delete_prefix(self, prefix: str) -> None:
         self.delete(self.list(prefix.rstrip("/") + "/"))  # keys come back relative to the root
@@ -221,7 +265,7 @@ class S3Backend:
                         # arguments to _shutdown in the wrong order. Cancel each future.
                         for other in futures:
                             other.cancel()
-                except Exception as exc:  # noqa: BLE001 - cancellation surfaces as s3transfer's own types
+                except Exception as exc:
                     if first_exc is None:
                         raise
                     del exc
@@ -236,9 +280,16 @@ class S3Backend:
         sub = [ProgressCallbackInvoker(progress.add)]
 
         def submit(tm):
-            return [tm.upload(str(it.local), self.bucket, self._key(it.key),
-                              extra_args={"Metadata": {"sha256": it.sha256}}, subscribers=sub)
-                    for it in items]
+            return [
+                tm.upload(
+                    str(it.local),
+                    self.bucket,
+                    self._key(it.key),
+                    extra_args={"Metadata": {"sha256": it.sha256}},
+                    subscribers=sub,
+                )
+                for it in items
+            ]
 
         self._run_transfers(submit, f"uploading {len(items)} files")
 
@@ -252,7 +303,6 @@ class S3Backend:
         def submit(tm):
             for it in items:
                 it.dest.parent.mkdir(parents=True, exist_ok=True)
-            return [tm.download(self.bucket, self._key(it.key), str(it.dest), subscribers=sub)
-                    for it in items]
+            return [tm.download(self.bucket, self._key(it.key), str(it.dest), subscribers=sub) for it in items]
 
         self._run_transfers(submit, f"downloading {len(items)} files")

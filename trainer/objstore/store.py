@@ -42,12 +42,25 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 from urllib.parse import unquote, urlparse
 
-from trainer.objstore.backends import DownloadItem, FileBackend, ObjectStat, Progress, ProgressFn, StorageError, StorageNotFound, UploadItem, VerificationError, _hash_many, atomic_write_bytes, sha256_file
+from trainer.objstore.backends import (
+    DownloadItem,
+    FileBackend,
+    ObjectStat,
+    Progress,
+    ProgressFn,
+    StorageError,
+    StorageNotFound,
+    UploadItem,
+    VerificationError,
+    _hash_many,
+    atomic_write_bytes,
+    sha256_file,
+)
 from trainer.objstore.s3 import S3Backend, S3Options
 
 _log = logging.getLogger("gpuctl.objstore")
@@ -115,8 +128,13 @@ def _local_files(tag_dir: Path) -> dict[str, Path]:
 class CheckpointStore:
     """Checkpoints in one store root; see the module docstring for the layout."""
 
-    def __init__(self, backend: FileBackend | S3Backend, keep: int | None = None,
-                 log: Callable[[str], None] | None = None, retry_deadline: float = 3600.0):
+    def __init__(
+        self,
+        backend: FileBackend | S3Backend,
+        keep: int | None = None,
+        log: Callable[[str], None] | None = None,
+        retry_deadline: float = 3600.0,
+    ):
         self.backend = backend
         self.keep = keep if keep and keep > 0 else None
         self.retry_deadline = retry_deadline  # BackgroundUploader's default
@@ -124,8 +142,7 @@ class CheckpointStore:
         self.url = backend.url
 
     @classmethod
-    def from_config(cls, storage: dict, log: Callable[[str], None] | None = None
-                    ) -> "CheckpointStore":
+    def from_config(cls, storage: dict, log: Callable[[str], None] | None = None) -> CheckpointStore:
         """storage = {"url": "file:///abs" | "s3://bucket/prefix", "endpoint_url", "region",
         "profile", "keep": K}; optional "retry_deadline" (s, how long BackgroundUploader
         retries one checkpoint, default 3600) and S3 tuning keys named as S3Options' fields:
@@ -139,15 +156,19 @@ class CheckpointStore:
         if parsed.scheme == "file" or (not parsed.scheme and url.startswith("/")):
             if parsed.netloc not in ("", "localhost"):
                 raise ValueError(f"file:// storage url must be file:///abs/path, got {url!r}")
-            return cls(FileBackend(Path(unquote(parsed.path))), keep=keep, log=log,
-                       retry_deadline=deadline)
+            return cls(FileBackend(Path(unquote(parsed.path))), keep=keep, log=log, retry_deadline=deadline)
         if parsed.scheme == "s3":
             if not parsed.netloc:
                 raise ValueError(f"s3 storage url needs a bucket: s3://bucket/prefix, got {url!r}")
             tuning = {k: storage[k] for k in S3Options.__dataclass_fields__ if storage.get(k)}
-            backend = S3Backend(parsed.netloc, parsed.path, storage.get("endpoint_url"),
-                                storage.get("region"), storage.get("profile"),
-                                S3Options(**tuning))
+            backend = S3Backend(
+                parsed.netloc,
+                parsed.path,
+                storage.get("endpoint_url"),
+                storage.get("region"),
+                storage.get("profile"),
+                S3Options(**tuning),
+            )
             return cls(backend, keep=keep, log=log, retry_deadline=deadline)
         raise ValueError(f"unsupported storage url {url!r}: use file:///abs/path or s3://bucket/prefix")
 
@@ -165,9 +186,16 @@ class CheckpointStore:
     @staticmethod
     def _info_from_manifest(m: dict) -> CheckpointInfo:
         files = [FileEntry(p, int(f["size"]), f["sha256"]) for p, f in sorted(m["files"].items())]
-        return CheckpointInfo(tag=m["tag"], step=int(m["step"]), world_size=int(m["world_size"]),
-                              num_nodes=int(m["num_nodes"]), complete=True,
-                              size=sum(f.size for f in files), time=float(m["time"]), files=files)
+        return CheckpointInfo(
+            tag=m["tag"],
+            step=int(m["step"]),
+            world_size=int(m["world_size"]),
+            num_nodes=int(m["num_nodes"]),
+            complete=True,
+            size=sum(f.size for f in files),
+            time=float(m["time"]),
+            files=files,
+        )
 
     def _incomplete_info(self, tag: str, objs: dict[str, ObjectStat]) -> CheckpointInfo:
         step, files, nodes = -1, {}, 0
@@ -178,12 +206,22 @@ class CheckpointStore:
                 step = max(step, int(marker.get("step", -1)))
                 files.update(marker.get("files", {}))
         prefix = f"{tag}/"
-        data = {k[len(prefix):]: s for k, s in objs.items()
-                if k.startswith(prefix) and not k.startswith(f"{tag}/{NODES_DIR}/")}
+        data = {
+            k[len(prefix) :]: s
+            for k, s in objs.items()
+            if k.startswith(prefix) and not k.startswith(f"{tag}/{NODES_DIR}/")
+        }
         entries = [FileEntry(p, s.size, files.get(p, {}).get("sha256", "")) for p, s in sorted(data.items())]
-        return CheckpointInfo(tag=tag, step=step if step >= 0 else _step_from_tag(tag), world_size=0,
-                              num_nodes=nodes, complete=False, size=sum(e.size for e in entries),
-                              time=max((s.mtime for s in objs.values()), default=0.0), files=entries)
+        return CheckpointInfo(
+            tag=tag,
+            step=step if step >= 0 else _step_from_tag(tag),
+            world_size=0,
+            num_nodes=nodes,
+            complete=False,
+            size=sum(e.size for e in entries),
+            time=max((s.mtime for s in objs.values()), default=0.0),
+            files=entries,
+        )
 
     def list(self) -> list[CheckpointInfo]:
         """All checkpoints, complete and incomplete, newest (highest step, then time) first."""
@@ -196,8 +234,7 @@ class CheckpointStore:
         infos = []
         for tag, tobjs in by_tag.items():
             manifest = self._read_json(f"{tag}/{MANIFEST}") if f"{tag}/{MANIFEST}" in tobjs else None
-            infos.append(self._info_from_manifest(manifest) if manifest
-                         else self._incomplete_info(tag, tobjs))
+            infos.append(self._info_from_manifest(manifest) if manifest else self._incomplete_info(tag, tobjs))
         infos.sort(key=lambda i: (i.step, i.time), reverse=True)
         return infos
 
@@ -217,8 +254,15 @@ class CheckpointStore:
         return next((i for i in self.list() if i.complete), None)
 
     # -- uploading ---------------------------------------------------------------------
-    def upload_shards(self, local_tag_dir: Path, tag: str, node_rank: int,
-                      progress: ProgressFn | None = None, *, step: int | None = None) -> None:
+    def upload_shards(
+        self,
+        local_tag_dir: Path,
+        tag: str,
+        node_rank: int,
+        progress: ProgressFn | None = None,
+        *,
+        step: int | None = None,
+    ) -> None:
         """Upload this node's files of ``tag`` (skipping unchanged ones), then its marker."""
         _check_tag(tag)
         t0 = time.monotonic()
@@ -252,13 +296,29 @@ class CheckpointStore:
         prog = Progress(progress, sum(i.size for i in todo))
         self.backend.upload_files(todo, prog)
         prog.finish()
-        self.backend.write_bytes(marker_key, _dumps({
-            "format": FORMAT, "tag": tag, "node_rank": node_rank,
-            "step": step if step is not None else _step_from_tag(tag),
-            "time": time.time(), "files": new_files}))
+        self.backend.write_bytes(
+            marker_key,
+            _dumps(
+                {
+                    "format": FORMAT,
+                    "tag": tag,
+                    "node_rank": node_rank,
+                    "step": step if step is not None else _step_from_tag(tag),
+                    "time": time.time(),
+                    "files": new_files,
+                }
+            ),
+        )
         dt = time.monotonic() - t0
-        _log.info("uploaded %s node %d: %d files, %.1f MB in %.2f s (%d unchanged)", tag,
-                  node_rank, len(todo), prog.total / 1e6, dt, len(local) - len(todo))
+        _log.info(
+            "uploaded %s node %d: %d files, %.1f MB in %.2f s (%d unchanged)",
+            tag,
+            node_rank,
+            len(todo),
+            prog.total / 1e6,
+            dt,
+            len(local) - len(todo),
+        )
 
     def _unpublish(self, tag: str) -> None:
         """Make a complete checkpoint incomplete (it is about to change), keeping `latest` valid."""
@@ -272,8 +332,7 @@ class CheckpointStore:
                 self.backend.delete([LATEST])
         self.backend.delete([f"{tag}/{MANIFEST}"])
 
-    def publish(self, tag: str, step: int, world_size: int, num_nodes: int,
-                timeout: float) -> bool:
+    def publish(self, tag: str, step: int, world_size: int, num_nodes: int, timeout: float) -> bool:
         """Node 0: wait (up to ``timeout`` s) for every node's marker of ``tag``, write the
         manifest, then `latest`, then prune beyond ``keep``. False if nodes are missing."""
         _check_tag(tag)
@@ -287,8 +346,7 @@ class CheckpointStore:
             present = wanted & set(self.backend.list(f"{tag}/{NODES_DIR}/"))
         if present != wanted:
             missing = sorted(int(k.rsplit("/", 1)[1][:-5]) for k in wanted - present)
-            self.log(f"not publishing {tag}: node(s) {missing} did not finish uploading "
-                     f"within {timeout:.1f} s")
+            self.log(f"not publishing {tag}: node(s) {missing} did not finish uploading within {timeout:.1f} s")
             return False
 
         files: dict[str, dict] = {}
@@ -300,18 +358,33 @@ class CheckpointStore:
             for rel, f in marker["files"].items():
                 prev = files.get(rel)
                 if prev and prev["sha256"] != f["sha256"]:
-                    raise StorageError(f"checkpoint {tag}: nodes {prev['node']} and {rank} uploaded "
-                                       f"different contents for {rel}")
+                    raise StorageError(
+                        f"checkpoint {tag}: nodes {prev['node']} and {rank} uploaded different contents for {rel}"
+                    )
                 files.setdefault(rel, {"size": f["size"], "sha256": f["sha256"], "node": rank})
         remote = self.backend.list(f"{tag}/")
-        bad = sorted(rel for rel, f in files.items()
-                     if (st := remote.get(f"{tag}/{rel}")) is None or st.size != f["size"])
+        bad = sorted(
+            rel for rel, f in files.items() if (st := remote.get(f"{tag}/{rel}")) is None or st.size != f["size"]
+        )
         if bad:
-            raise StorageError(f"checkpoint {tag}: node markers list files that are missing or "
-                               f"of the wrong size in {self.url}: {bad[:5]}")
-        self.backend.write_bytes(f"{tag}/{MANIFEST}", _dumps({
-            "format": FORMAT, "tag": tag, "step": step, "world_size": world_size,
-            "num_nodes": num_nodes, "time": time.time(), "files": files}))
+            raise StorageError(
+                f"checkpoint {tag}: node markers list files that are missing or "
+                f"of the wrong size in {self.url}: {bad[:5]}"
+            )
+        self.backend.write_bytes(
+            f"{tag}/{MANIFEST}",
+            _dumps(
+                {
+                    "format": FORMAT,
+                    "tag": tag,
+                    "step": step,
+                    "world_size": world_size,
+                    "num_nodes": num_nodes,
+                    "time": time.time(),
+                    "files": files,
+                }
+            ),
+        )
 
         complete = [i for i in self.list() if i.complete]
         if not any(i.step > step for i in complete):
@@ -342,8 +415,7 @@ class CheckpointStore:
                 _log.info("pruned checkpoint %s from %s", info.tag, self.url)
 
     # -- downloading -------------------------------------------------------------------
-    def download(self, tag: str | None, dest: Path, progress: ProgressFn | None = None
-                 ) -> CheckpointInfo:
+    def download(self, tag: str | None, dest: Path, progress: ProgressFn | None = None) -> CheckpointInfo:
         """Download ``tag`` (None: the latest complete) into ``dest/<tag>`` and write
         ``dest/latest``. Falls back to older complete checkpoints if it fails verification."""
         dest = Path(dest)
@@ -357,10 +429,10 @@ class CheckpointStore:
             if first is None:
                 older = [i for i in complete if i.step < _step_from_tag(tag)]
                 if not older:
-                    raise StorageNotFound(f"checkpoint {tag} is not complete in {self.url} "
-                                          "and there is no older complete one")
-                self.log(f"checkpoint {tag} is not complete in {self.url}; "
-                         f"falling back to {older[0].tag}")
+                    raise StorageNotFound(
+                        f"checkpoint {tag} is not complete in {self.url} and there is no older complete one"
+                    )
+                self.log(f"checkpoint {tag} is not complete in {self.url}; falling back to {older[0].tag}")
                 first = older[0]
         candidates = [first] + [i for i in complete if i.step < first.step]
         for n, info in enumerate(candidates):
@@ -369,11 +441,14 @@ class CheckpointStore:
             except (VerificationError, StorageNotFound) as exc:
                 nxt = candidates[n + 1].tag if n + 1 < len(candidates) else None
                 if nxt is None:
-                    raise VerificationError(f"checkpoint {info.tag} failed verification ({exc}) "
-                                            f"and no older complete checkpoint is left in {self.url}"
-                                            ) from exc
-                self.log(f"checkpoint {info.tag} failed verification ({exc}); "
-                         f"falling back to previous complete checkpoint {nxt}")
+                    raise VerificationError(
+                        f"checkpoint {info.tag} failed verification ({exc}) "
+                        f"and no older complete checkpoint is left in {self.url}"
+                    ) from exc
+                self.log(
+                    f"checkpoint {info.tag} failed verification ({exc}); "
+                    f"falling back to previous complete checkpoint {nxt}"
+                )
                 continue
             atomic_write_bytes(dest / LATEST, info.tag.encode())
             return info
@@ -395,8 +470,7 @@ class CheckpointStore:
             local = tag_dir / f.path
             if local.is_file() and local.stat().st_size == f.size and sha256_file(local) == f.sha256:
                 continue  # already here (a resumed pull)
-            todo.append(DownloadItem(f"{info.tag}/{f.path}",
-                                     local.with_name(f".tmp-{local.name}"), f.size))
+            todo.append(DownloadItem(f"{info.tag}/{f.path}", local.with_name(f".tmp-{local.name}"), f.size))
         prog = Progress(progress, sum(i.size for i in todo))
         try:
             self.backend.download_files(todo, prog)
@@ -419,4 +493,3 @@ class CheckpointStore:
 
 def _dumps(obj: dict) -> bytes:
     return json.dumps(obj, indent=1, sort_keys=True).encode()
-

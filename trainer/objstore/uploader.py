@@ -17,9 +17,10 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from trainer.objstore.backends import StorageError, UploadError
 
@@ -53,10 +54,18 @@ class _Job:
 class BackgroundUploader:
     """A daemon thread that uploads (and on node 0 publishes) submitted checkpoints."""
 
-    def __init__(self, store: "CheckpointStore", node_rank: int, num_nodes: int,
-                 log: Callable[[str], None] = print, *, retry_deadline: float | None = None,
-                 publish_timeout: float = 1800.0, backoff_initial: float = 1.0,
-                 backoff_max: float = 60.0):
+    def __init__(
+        self,
+        store: CheckpointStore,
+        node_rank: int,
+        num_nodes: int,
+        log: Callable[[str], None] = print,
+        *,
+        retry_deadline: float | None = None,
+        publish_timeout: float = 1800.0,
+        backoff_initial: float = 1.0,
+        backoff_max: float = 60.0,
+    ):
         self.store, self.node_rank, self.num_nodes, self.log = store, node_rank, num_nodes, log
         if retry_deadline is None:
             retry_deadline = getattr(store, "retry_deadline", 3600.0)
@@ -68,8 +77,7 @@ class BackgroundUploader:
         self._uploaded: set[str] = set()
         self._errors: list[str] = []
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"ckpt-upload-node{node_rank}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"ckpt-upload-node{node_rank}", daemon=True)
         self._thread.start()
 
     # -- public API ----------------------------------------------------------------------
@@ -88,8 +96,10 @@ class BackgroundUploader:
             while self._pending:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise UploadError(f"checkpoint upload to {self.store.url} not finished after "
-                                      f"{timeout:.0f} s; still pending: {', '.join(self._pending)}")
+                    raise UploadError(
+                        f"checkpoint upload to {self.store.url} not finished after "
+                        f"{timeout:.0f} s; still pending: {', '.join(self._pending)}"
+                    )
                 self._cond.wait(left)
             if self._errors:
                 raise UploadError("; ".join(self._errors))
@@ -148,17 +158,19 @@ class BackgroundUploader:
         while not self._stop.is_set():
             try:
                 self._attempt(job, deadline)
-                self.log(f"checkpoint {job.tag}: node {self.node_rank} upload done"
-                         + (" and published" if self.node_rank == 0 else "")
-                         + f" in {time.monotonic() - t0:.1f} s")
+                self.log(
+                    f"checkpoint {job.tag}: node {self.node_rank} upload done"
+                    + (" and published" if self.node_rank == 0 else "")
+                    + f" in {time.monotonic() - t0:.1f} s"
+                )
                 return
             except StorageError as exc:
                 left = deadline - time.monotonic()
                 if not exc.transient or left < delay or self._stop.is_set():
-                    raise UploadError(f"{exc} (gave up after {attempt} attempt(s), "
-                                      f"{time.monotonic() - t0:.0f} s)") from exc
-                self.log(f"checkpoint {job.tag}: attempt {attempt} failed: {exc}; "
-                         f"retrying in {delay:.1f} s")
+                    raise UploadError(
+                        f"{exc} (gave up after {attempt} attempt(s), {time.monotonic() - t0:.0f} s)"
+                    ) from exc
+                self.log(f"checkpoint {job.tag}: attempt {attempt} failed: {exc}; retrying in {delay:.1f} s")
             self._stop.wait(delay)
             attempt += 1
             delay = min(delay * 2, self.backoff_max)
@@ -170,5 +182,6 @@ class BackgroundUploader:
             return
         timeout = max(1.0, min(self.publish_timeout, deadline - time.monotonic()))
         if not self.store.publish(job.tag, job.step, job.world_size, self.num_nodes, timeout):
-            raise UploadError(f"checkpoint {job.tag} not published: other nodes did not finish "
-                              f"uploading within {timeout:.0f} s")
+            raise UploadError(
+                f"checkpoint {job.tag} not published: other nodes did not finish uploading within {timeout:.0f} s"
+            )

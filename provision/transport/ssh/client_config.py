@@ -26,20 +26,27 @@ def alias(cluster: str, index: int) -> str:
 def quote(value: str) -> str:
     """A value for an ssh_config line: double-quoted, `%` escaped (ssh expands %-tokens)."""
     if any(c in value for c in '"\n\r'):
-        raise ConfigError(f"{value!r} cannot appear in an SSH config file (quote or newline)",
-                          "use a path without quotes or newlines")
+        raise ConfigError(
+            f"{value!r} cannot appear in an SSH config file (quote or newline)", "use a path without quotes or newlines"
+        )
     return '"' + value.replace("%", "%%") + '"'
 
 
-def host_block(names: list[str], address: str, port: int, user: str | None, identity_file: str | None,
-               known_hosts: str, extra: dict[str, str] | None = None) -> str:
+def host_block(
+    names: list[str],
+    address: str,
+    port: int,
+    user: str | None,
+    identity_file: str | None,
+    known_hosts: str,
+    extra: dict[str, str] | None = None,
+) -> str:
     lines = [f"Host {' '.join(names)}", f"  HostName {address}", f"  Port {port}"]
     if user:
         lines.append(f"  User {user}")
     if identity_file:
         lines += [f"  IdentityFile {quote(identity_file)}", "  IdentitiesOnly yes"]
-    lines += [f"  UserKnownHostsFile {quote(known_hosts)}", "  StrictHostKeyChecking yes",
-              "  CheckHostIP no"]
+    lines += [f"  UserKnownHostsFile {quote(known_hosts)}", "  StrictHostKeyChecking yes", "  CheckHostIP no"]
     lines += [f"  {k} {v}" for k, v in (extra or {}).items()]
     return "\n".join(lines) + "\n"
 
@@ -52,8 +59,10 @@ def render(clusters: list[state.ClusterRecord]) -> str:
     from provision.transport.ssh.hostkeys import known_hosts_path
 
     known = str(known_hosts_path())
-    out = ["# Written by gpuctl from its state; rewritten by `gpuctl up` / `gpuctl down`.\n"
-           "# Use it from ~/.ssh/config (near the top):  Include " + str(laptop_config_path()) + "\n"]
+    out = [
+        "# Written by gpuctl from its state; rewritten by `gpuctl up` / `gpuctl down`.\n"
+        "# Use it from ~/.ssh/config (near the top):  Include " + str(laptop_config_path()) + "\n"
+    ]
     for cluster in clusters:
         if not ssh_reachable(cluster):
             continue
@@ -72,8 +81,10 @@ def refresh(exclude: str | None = None) -> Path:
 
 
 def include_hint(cluster: state.ClusterRecord) -> str:
-    return (f"ssh: `gpuctl ssh` or, with `Include {laptop_config_path()}` at the top of ~/.ssh/config, "
-            f"`ssh gpuctl-{cluster.name}`")
+    return (
+        f"ssh: `gpuctl ssh` or, with `Include {laptop_config_path()}` at the top of ~/.ssh/config, "
+        f"`ssh gpuctl-{cluster.name}`"
+    )
 
 
 def ssh_argv(cluster_name: str, index: int, command: list[str]) -> list[str]:
@@ -84,11 +95,14 @@ def ssh_argv(cluster_name: str, index: int, command: list[str]) -> list[str]:
 
     cluster = state.load_cluster(cluster_name)
     if not ssh_reachable(cluster):
-        raise ConfigError(f"cluster {cluster_name} runs on this machine ({cluster.provider}); there is no SSH",
-                          "run the command here")
+        raise ConfigError(
+            f"cluster {cluster_name} runs on this machine ({cluster.provider}); there is no SSH", "run the command here"
+        )
     if not 0 <= index < len(cluster.nodes):
-        raise ConfigError(f"cluster {cluster_name} has {len(cluster.nodes)} node(s); no node {index}",
-                          f"pass --node 0..{len(cluster.nodes) - 1}")
+        raise ConfigError(
+            f"cluster {cluster_name} has {len(cluster.nodes)} node(s); no node {index}",
+            f"pass --node 0..{len(cluster.nodes) - 1}",
+        )
     client = shutil.which("ssh")
     if client is None:
         raise ConfigError("the OpenSSH client (ssh) is not installed here", "install openssh-client")

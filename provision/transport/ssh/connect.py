@@ -18,8 +18,8 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import paramiko
 
@@ -48,48 +48,76 @@ def endpoint(user: str, address: str, port: int) -> str:
     return f"{user}@{address}:{port}"
 
 
-def _connect_error(exc: BaseException, user: str, address: str, port: int, timeout: float,
-                   identity_file: str | None) -> ConnectError:
+def _connect_error(
+    exc: BaseException, user: str, address: str, port: int, timeout: float, identity_file: str | None
+) -> ConnectError:
     """One line for each way a connection fails, with the next thing to try."""
     where = endpoint(user, address, port)
     if isinstance(exc, paramiko.BadHostKeyException):
         return ConnectError(
             f"{where}: host key CHANGED (now {exc.key.get_name()} {exc.key.fingerprint}, pinned "
             f"{exc.expected_key.fingerprint}); refusing to connect",
-            f"if the machine was really reinstalled, run `gpuctl forget-host {address}:{port}`, then `gpuctl up`")
+            f"if the machine was really reinstalled, run `gpuctl forget-host {address}:{port}`, then `gpuctl up`",
+        )
     if isinstance(exc, UnknownHostKey):
-        return ConnectError(f"{where}: host key {exc.key.get_name()} {exc.key.fingerprint} is not pinned by gpuctl",
-                            "run `gpuctl up` to connect and pin it")
+        return ConnectError(
+            f"{where}: host key {exc.key.get_name()} {exc.key.fingerprint} is not pinned by gpuctl",
+            "run `gpuctl up` to connect and pin it",
+        )
     if isinstance(exc, paramiko.AuthenticationException):
         what = f"key {identity_file}" if identity_file else "your SSH agent/default keys"
-        return ConnectError(f"{where}: authentication failed with {what}",
-                            "check provider.identity_file and that its public key is in the node's authorized_keys")
+        return ConnectError(
+            f"{where}: authentication failed with {what}",
+            "check provider.identity_file and that its public key is in the node's authorized_keys",
+        )
     if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError):
         first = next(iter(exc.errors.values()), None)  # refused/unreachable on every address
         if isinstance(first, OSError):
             exc = first
     if isinstance(exc, socket.gaierror):
-        return ConnectError(f"{where}: cannot resolve host {address!r} ({exc.strerror})",
-                            "check the host name in provider.hosts", transient=True)
+        return ConnectError(
+            f"{where}: cannot resolve host {address!r} ({exc.strerror})",
+            "check the host name in provider.hosts",
+            transient=True,
+        )
     if isinstance(exc, ConnectionRefusedError):
-        return ConnectError(f"{where}: connection refused (no SSH server on port {port})",
-                            "check the port in provider.hosts and that sshd runs", transient=True)
+        return ConnectError(
+            f"{where}: connection refused (no SSH server on port {port})",
+            "check the port in provider.hosts and that sshd runs",
+            transient=True,
+        )
     if isinstance(exc, (socket.timeout, TimeoutError)):
-        return ConnectError(f"{where}: no answer within {timeout:g}s (host unreachable or down)",
-                            "check the address and your network; a booting node needs a minute", transient=True)
+        return ConnectError(
+            f"{where}: no answer within {timeout:g}s (host unreachable or down)",
+            "check the address and your network; a booting node needs a minute",
+            transient=True,
+        )
     # paramiko: "Error reading SSH protocol banner", or "No existing session" when its
     # handshake wait (the same timeout) ran out first
     if isinstance(exc, paramiko.SSHException) and ("banner" in str(exc).lower() or "No existing session" in str(exc)):
-        return ConnectError(f"{where}: no SSH banner within {timeout:g}s (not an SSH server, or it is overloaded)",
-                            "check the port in provider.hosts", transient=True)
+        return ConnectError(
+            f"{where}: no SSH banner within {timeout:g}s (not an SSH server, or it is overloaded)",
+            "check the port in provider.hosts",
+            transient=True,
+        )
     if isinstance(exc, OSError) and exc.errno is not None:
         return ConnectError(f"{where}: {exc.strerror or exc}", "check the address and port", transient=True)
-    return ConnectError(f"{where}: SSH connection failed: {exc or type(exc).__name__}",
-                        "retry; GPUCTL_DEBUG=1 shows the details", transient=True)
+    return ConnectError(
+        f"{where}: SSH connection failed: {exc or type(exc).__name__}",
+        "retry; GPUCTL_DEBUG=1 shows the details",
+        transient=True,
+    )
 
 
-def open_client(address: str, port: int, user: str, identity_file: str | None, *,
-                timeout: float = DEFAULT_CONNECT_TIMEOUT, pin_new: bool = False) -> paramiko.SSHClient:
+def open_client(
+    address: str,
+    port: int,
+    user: str,
+    identity_file: str | None,
+    *,
+    timeout: float = DEFAULT_CONNECT_TIMEOUT,
+    pin_new: bool = False,
+) -> paramiko.SSHClient:
     """A new authenticated paramiko client; host key checked against gpuctl's known_hosts."""
     client = paramiko.SSHClient()
     path = known_hosts_path()
@@ -98,10 +126,18 @@ def open_client(address: str, port: int, user: str, identity_file: str | None, *
     client.set_missing_host_key_policy(PinPolicy(pin_new))
     key_file = str(Path(identity_file).expanduser()) if identity_file else None
     try:
-        client.connect(address, port=port, username=user, key_filename=key_file,
-                       look_for_keys=key_file is None, allow_agent=key_file is None,
-                       timeout=timeout, banner_timeout=timeout, auth_timeout=timeout,
-                       channel_timeout=timeout)
+        client.connect(
+            address,
+            port=port,
+            username=user,
+            key_filename=key_file,
+            look_for_keys=key_file is None,
+            allow_agent=key_file is None,
+            timeout=timeout,
+            banner_timeout=timeout,
+            auth_timeout=timeout,
+            channel_timeout=timeout,
+        )
     except (paramiko.SSHException, OSError, EOFError) as exc:
         client.close()
         raise _connect_error(exc, user, address, port, timeout, identity_file) from None
@@ -110,8 +146,9 @@ def open_client(address: str, port: int, user: str, identity_file: str | None, *
     return client
 
 
-def wait_for_ssh(address: str, port: int, deadline: float, *, say: Callable[[str], None] | None = None,
-                 probe_timeout: float = 5.0) -> str:
+def wait_for_ssh(
+    address: str, port: int, deadline: float, *, say: Callable[[str], None] | None = None, probe_timeout: float = 5.0
+) -> str:
     """Wait until address:port answers with an SSH banner; see the module docstring."""
     delay, last = 0.5, "not tried"
     while time.monotonic() < deadline:
@@ -129,8 +166,11 @@ def wait_for_ssh(address: str, port: int, deadline: float, *, say: Callable[[str
             say(f"waiting for SSH on {address}:{port}: {last}")
         time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
         delay = min(delay * 2, 10)
-    raise ConnectError(f"{address}:{port}: no SSH server answered before the deadline ({last})",
-                       "check the node in the provider's console; `gpuctl down` removes it", transient=True)
+    raise ConnectError(
+        f"{address}:{port}: no SSH server answered before the deadline ({last})",
+        "check the node in the provider's console; `gpuctl down` removes it",
+        transient=True,
+    )
 
 
 def _read_banner(sock: socket.socket) -> str:

@@ -72,9 +72,12 @@ def unpin(host: str, port: int | None) -> int:
         kept = []
         removed = 0
         for entry in keys._entries:
-            hit = any(n == host_key_name(host, port) if names else
-                      (n == host or re.fullmatch(rf"\[{re.escape(host)}\]:\d+", n))
-                      for n in entry.hostnames)
+            hit = any(
+                n == host_key_name(host, port)
+                if names
+                else (n == host or re.fullmatch(rf"\[{re.escape(host)}\]:\d+", n))
+                for n in entry.hostnames
+            )
             if hit:
                 removed += 1
             else:

@@ -20,8 +20,8 @@ and the record is complete, and `teardown(cluster, nodes, ...)` in `down`.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from provision.core import state
 from provision.core.errors import RemoteError
@@ -61,10 +61,10 @@ def cluster_keypair(cluster: str) -> tuple[str, str]:
     private, public = folder / "id_ed25519", folder / "id_ed25519.pub"
     if not (private.is_file() and public.is_file()):
         key = Ed25519PrivateKey.generate()
-        pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-                                serialization.NoEncryption()).decode()
-        pub = key.public_key().public_bytes(serialization.Encoding.OpenSSH,
-                                            serialization.PublicFormat.OpenSSH).decode()
+        pem = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+        ).decode()
+        pub = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
         folder.mkdir(parents=True, exist_ok=True)
         folder.chmod(0o700)
         state.write_atomic(private, pem, 0o600)
@@ -92,15 +92,26 @@ def node_ssh_config_text(cluster: state.ClusterRecord) -> str:
     blocks = []
     for node in cluster.nodes:
         name = node.host.split("@")[-1]  # pdsh passes user@host as -l user host
-        blocks.append(host_block([name], node.address, node.port, node.user, f"{folder}/id_ed25519",
-                                 f"{folder}/known_hosts",
-                                 {"BatchMode": "yes", "ConnectTimeout": "30", "LogLevel": "ERROR",
-                                  "ServerAliveInterval": "30"}))
+        blocks.append(
+            host_block(
+                [name],
+                node.address,
+                node.port,
+                node.user,
+                f"{folder}/id_ed25519",
+                f"{folder}/known_hosts",
+                {"BatchMode": "yes", "ConnectTimeout": "30", "LogLevel": "ERROR", "ServerAliveInterval": "30"},
+            )
+        )
     return "# Written by gpuctl for DeepSpeed's pdsh launcher (node-to-node SSH).\n" + "\n".join(blocks)
 
 
-def setup(cluster: state.ClusterRecord, nodes: list[Node], authorized_keys: str = "~/.ssh/authorized_keys",
-          say: Callable[[str], None] = print) -> None:
+def setup(
+    cluster: state.ClusterRecord,
+    nodes: list[Node],
+    authorized_keys: str = "~/.ssh/authorized_keys",
+    say: Callable[[str], None] = print,
+) -> None:
     """Let the first node reach every node (itself included) by its hostfile name."""
     private, public = cluster_keypair(cluster.name)
     (key_dir(cluster.name) / "authorized_keys").write_text(authorized_keys + "\n")
@@ -114,10 +125,12 @@ def setup(cluster: state.ClusterRecord, nodes: list[Node], authorized_keys: str 
         name = rec.host.split("@")[-1]
         result = first.run(["ssh", "-F", f"{folder}/config", name, "true"], check=False, timeout=90)
         if result.rc != 0:
-            raise RemoteError(f"node {cluster.nodes[0].address} cannot SSH to node {rec.host} "
-                              f"(port {rec.port}): {result.stderr.strip()[-200:] or f'exit {result.rc}'}",
-                              f"check that {rec.address}:{rec.port} is reachable from the first node "
-                              "and that provider.authorized_keys is the file its sshd reads")
+            raise RemoteError(
+                f"node {cluster.nodes[0].address} cannot SSH to node {rec.host} "
+                f"(port {rec.port}): {result.stderr.strip()[-200:] or f'exit {result.rc}'}",
+                f"check that {rec.address}:{rec.port} is reachable from the first node "
+                "and that provider.authorized_keys is the file its sshd reads",
+            )
     say(f"node-to-node SSH ready: {cluster.nodes[0].address} reaches {len(cluster.nodes)} nodes (pdsh)")
 
 

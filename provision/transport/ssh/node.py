@@ -29,20 +29,27 @@ import shlex
 import stat
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import paramiko
 
 from provision.core import state
 from provision.core.errors import RemoteError
-from provision.transport.ssh.hostkeys import known_hosts_path, unpin
 from provision.transport.ignore import walk_shipped
 from provision.transport.remote import CommandResult, LineSink, Node
 from provision.transport.ssh.connect import DEFAULT_CONNECT_TIMEOUT, ConnectError, endpoint, open_client, wait_for_ssh
+from provision.transport.ssh.hostkeys import known_hosts_path, unpin
 
-__all__ = ["ConnectError", "SSHNode", "forget_host", "known_hosts_path", "parse_host_spec",
-           "wait_for_ssh", "walk_shipped"]
+__all__ = [
+    "ConnectError",
+    "SSHNode",
+    "forget_host",
+    "known_hosts_path",
+    "parse_host_spec",
+    "wait_for_ssh",
+    "walk_shipped",
+]
 
 IO_TIMEOUT = 30.0  # an SFTP reply slower than this means a hung connection (half-open TCP)
 
@@ -92,12 +99,22 @@ def forget_host(spec: str) -> int:
 
 # --- the node ------------------------------------------------------------------------------
 
+
 class SSHNode(Node):
     """A machine reached over SSH; see the module docstring."""
 
-    def __init__(self, address: str, port: int = 22, user: str = "root", identity_file: str | None = None,
-                 *, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT, pin_new: bool = False,
-                 label: str | None = None, io_timeout: float = IO_TIMEOUT):
+    def __init__(
+        self,
+        address: str,
+        port: int = 22,
+        user: str = "root",
+        identity_file: str | None = None,
+        *,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        pin_new: bool = False,
+        label: str | None = None,
+        io_timeout: float = IO_TIMEOUT,
+    ):
         self.address = address
         self.port = int(port)
         self.user = user
@@ -111,7 +128,7 @@ class SSHNode(Node):
         self._key = (user, address, self.port, identity_file, str(known_hosts_path()))
 
     @classmethod
-    def from_record(cls, node: "state.NodeRecord", identity_file: str | None = None, **kw) -> "SSHNode":
+    def from_record(cls, node: state.NodeRecord, identity_file: str | None = None, **kw) -> SSHNode:
         return cls(node.address, node.port, node.user or "root", identity_file, **kw)
 
     # connection ---------------------------------------------------------------------------
@@ -126,8 +143,9 @@ class SSHNode(Node):
                 _POOL.pop(self._key, None)
         if client is not None:
             client.close()
-        fresh = open_client(self.address, self.port, self.user, self.identity_file,
-                            timeout=self.connect_timeout, pin_new=self.pin_new)
+        fresh = open_client(
+            self.address, self.port, self.user, self.identity_file, timeout=self.connect_timeout, pin_new=self.pin_new
+        )
         with _POOL_LOCK:
             other = _POOL.get(self._key)
             if other is not None and other.get_transport() and other.get_transport().is_active():
@@ -152,16 +170,25 @@ class SSHNode(Node):
             self.drop_connection()
 
     # commands -----------------------------------------------------------------------------
-    def run(self, argv: list[str], *, check: bool = True, timeout: float | None = None,
-            stream: LineSink | None = None, stdin: bytes | None = None) -> CommandResult:
+    def run(
+        self,
+        argv: list[str],
+        *,
+        check: bool = True,
+        timeout: float | None = None,
+        stream: LineSink | None = None,
+        stdin: bytes | None = None,
+    ) -> CommandResult:
         command = shlex.join(str(a) for a in argv)
         transport = self.client().get_transport()
         try:
             chan = transport.open_session(timeout=self.connect_timeout)
         except (paramiko.SSHException, OSError, EOFError) as exc:
             self.drop_connection()
-            raise RemoteError(f"{self.label}: connection lost ({exc or type(exc).__name__})",
-                              "check the node; gpuctl reconnects on the next command") from None
+            raise RemoteError(
+                f"{self.label}: connection lost ({exc or type(exc).__name__})",
+                "check the node; gpuctl reconnects on the next command",
+            ) from None
         try:
             result = self._exchange(chan, command, timeout, stream, stdin)
         finally:
@@ -171,8 +198,9 @@ class SSHNode(Node):
             raise RemoteError(f"{self.label}: {argv[0] if argv else '?'} exited {result.rc}: {detail}")
         return result
 
-    def _exchange(self, chan: paramiko.Channel, command: str, timeout: float | None,
-                  stream: LineSink | None, stdin: bytes | None) -> CommandResult:
+    def _exchange(
+        self, chan: paramiko.Channel, command: str, timeout: float | None, stream: LineSink | None, stdin: bytes | None
+    ) -> CommandResult:
         deadline = time.monotonic() + timeout if timeout else None
         out, err = bytearray(), bytearray()
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
@@ -209,14 +237,15 @@ class SSHNode(Node):
             raise RemoteError(f"{self.label}: {command[:120]} timed out after {timeout}s") from None
         except (paramiko.SSHException, OSError, EOFError) as exc:
             self.drop_connection()
-            raise RemoteError(f"{self.label}: connection lost ({exc or type(exc).__name__})",
-                              "check the node; gpuctl reconnects on the next command") from None
+            raise RemoteError(
+                f"{self.label}: connection lost ({exc or type(exc).__name__})",
+                "check the node; gpuctl reconnects on the next command",
+            ) from None
         if stream:
             pending += decoder.decode(b"", final=True)
             if pending:
                 stream(pending)
-        return CommandResult(chan.recv_exit_status(), out.decode("utf-8", "replace"),
-                             err.decode("utf-8", "replace"))
+        return CommandResult(chan.recv_exit_status(), out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
 
     # files --------------------------------------------------------------------------------
     def _sftp(self) -> paramiko.SFTPClient:
@@ -242,11 +271,14 @@ class SSHNode(Node):
             if isinstance(exc, OSError) and alive:
                 return missing  # missing, a folder, no permission: like `[ -f ] && cat` failing
             self.drop_connection()
-            raise RemoteError(f"{self.label}: connection lost reading {path} ({exc or type(exc).__name__})",
-                              "check the node; gpuctl reconnects on the next command") from None
+            raise RemoteError(
+                f"{self.label}: connection lost reading {path} ({exc or type(exc).__name__})",
+                "check the node; gpuctl reconnects on the next command",
+            ) from None
 
     def read_text(self, path: str) -> str | None:
         """A file's text, or None when it is missing or unreadable (over SFTP: no shell start)."""
+
         def read(sftp: paramiko.SFTPClient) -> str:
             with sftp.open(path, "rb") as fh:
                 return fh.read().decode("utf-8", "replace")
@@ -255,6 +287,7 @@ class SSHNode(Node):
 
     def read_new(self, path: str, offset: int) -> tuple[str, int]:
         """New bytes of a growing file from `offset`, cut before a partly written UTF-8 character."""
+
         def read(sftp: paramiko.SFTPClient) -> tuple[str, int]:
             with sftp.open(path, "rb") as fh:
                 size = fh.stat().st_size
@@ -282,6 +315,7 @@ class SSHNode(Node):
     def group_alive(self, pgid: int) -> bool:
         """The group's leader (launch.sh) alive means the group is: one SFTP stat, no shell.
         Only when the leader is gone does it ask the shell whether members are left."""
+
         def leader(sftp: paramiko.SFTPClient) -> bool:
             sftp.stat(f"/proc/{int(pgid)}")
             return True
@@ -295,8 +329,9 @@ class SSHNode(Node):
             sftp = self._sftp()  # the kept session: the node starts its sftp-server once per process
         except (paramiko.SSHException, OSError, EOFError) as exc:
             self.drop_connection()
-            raise RemoteError(f"{self.label}: SFTP failed to start ({exc})",
-                              "check that the node's sshd has the sftp subsystem") from None
+            raise RemoteError(
+                f"{self.label}: SFTP failed to start ({exc})", "check that the node's sshd has the sftp subsystem"
+            ) from None
         try:
             _sftp_makedirs(sftp, remote)
             for rel, path, kind in walk_shipped(local):
@@ -362,4 +397,3 @@ def _sftp_remove(sftp: paramiko.SFTPClient, path: str) -> None:
         sftp.remove(path)
     except FileNotFoundError:
         pass
-
