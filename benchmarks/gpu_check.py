@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from provision.estimate.plan import GB, KNOWN_MODELS, PlanError, PlanInput, PlanResult, plan
+from provision.estimate.hardware import GB, KNOWN_MODELS, PlanError
+from provision.estimate.plan import PlanInput, PlanResult, plan
 
 TINY_SMOKE = dict(hidden=256, heads=4, intermediate=688, vocab=1024)
 

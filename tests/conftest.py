@@ -1,4 +1,9 @@
-"""Shared fixtures. Every test gets its own gpuctl state dir."""
+"""Shared fixtures. Every test gets its own gpuctl state dir.
+
+The fixture modules are registered here once: a test asks for ``sshd``, ``fresh_sshd``,
+``s3_env``, ``s3_server``, ``fresh_bucket``, ``laptop_docker``, ``node_docker`` ... by argument
+name and never imports a fixture. Plain helpers come from ``tests.helpers`` and the modules below.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO, Gpuctl
+
+pytest_plugins = ["tests.sshd", "tests.s3server", "tests.dockerd"]
+
 # DeepSpeed JIT-compiles its CPU ops once; share the cache across tests and runs.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
 
@@ -24,3 +32,11 @@ def project(tmp_path, monkeypatch) -> Path:
     """An empty project folder as the cwd."""
     monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+@pytest.fixture
+def gpuctl(project) -> Gpuctl:
+    """gpuctl as a subprocess in the test's project folder, with this process's environment at
+    each call: ``gpuctl("up", "--yes", env={"KEY": "v"}, timeout=60, check=True, input="n\\n")``
+    (``env`` is laid over os.environ; ``cwd=`` picks another folder)."""
+    return Gpuctl(project)

@@ -12,8 +12,9 @@ writes bash, a few coreutils and Debian's /usr/bin/python3 (stdlib minus tests/G
 with the shared libraries ldd names, and ``docker import`` turns it into an image in about
 a second. That is faster and needs no network, unlike debootstrap or a pulled base image.
 
-Fixtures (``from tests.dockerd import laptop_docker, node_docker, base_image``): two engines
-per test session, "laptop" and "node"; ``base_image`` is imported into both.
+Fixtures (registered by tests/conftest.py's ``pytest_plugins``; ask for them by name): two
+engines per test session, ``laptop_docker`` and ``node_docker``; ``rootfs_tar`` is imported into
+both as ``BASE_IMAGE``.
 """
 
 from __future__ import annotations

@@ -29,6 +29,10 @@ for name in ('CPUAdamBuilder', 'ShareMemCommBuilder'):
     get_accelerator().create_op_builder(name).load()
 print('deepspeed CPU ops ready')
 "
+# Style and types first: they take seconds and fail fast.
+"$PY" -m ruff check .
+"$PY" -m ruff format --check .
+"$PY" -m mypy
 set +e
 "$PY" -m pytest -q -p no:cacheprovider "$@"
 rc=$?

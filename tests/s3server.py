@@ -9,7 +9,7 @@ TCP forwarder that owns the public port. That lets a fault test
   the data is gone) and start a fresh one, re-creating the buckets BEFORE the public
   port accepts again, so a client never sees the half-started server.
 
-Fixtures (use ``from tests.s3server import s3_server, s3_env`` in a test module):
+Fixtures (registered by tests/conftest.py's ``pytest_plugins``; ask for them by name):
 ``s3_env`` sets dummy credentials and hides ~/.aws; ``s3_server`` is one server per
 module; ``fresh_bucket`` makes a unique bucket on it.
 """
@@ -29,15 +29,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import free_port
+
 HOST = "127.0.0.1"
 TEST_KEY_ID = "AKIAIOSFODNN7EXAMPLE"
 TEST_SECRET = "test-secret-not-real"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def venv_bin(name: str) -> str | None:

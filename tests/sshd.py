@@ -9,8 +9,9 @@ no, PidFile, internal-sftp. Logins are as the current user (root here) with a te
 leaves: every connection drops); ``start()`` brings it back on the same port;
 ``new_host_key()`` makes the next start present a different key.
 
-Fixtures (``from tests.sshd import sshd, fresh_sshd, ssh_key``): ``sshd`` is one server
-per test session; ``fresh_sshd`` one per test, for tests that stop or re-key it.
+Fixtures (registered by tests/conftest.py's ``pytest_plugins``; ask for them by name):
+``sshd`` is one server per test session; ``fresh_sshd`` one per test, for tests that stop or
+re-key it.
 """
 
 from __future__ import annotations
@@ -26,22 +27,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import free_port
+
 SSHD_BIN = shutil.which("sshd") or "/usr/sbin/sshd"
 ADDRESSES = ("127.0.0.1", "127.0.0.2")
-
-
-def free_port() -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s2:
-                s2.bind(("127.0.0.2", port))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no port free on both 127.0.0.1 and 127.0.0.2")
 
 
 def keygen(path: Path, comment: str = "gpuctl-test") -> Path:
@@ -75,7 +64,7 @@ class SSHD:
         if not os.path.exists(SSHD_BIN):
             pytest.skip("sshd not installed (apt-get install openssh-server)")
         self.root = root
-        self.port = port or free_port()
+        self.port = port or free_port(*ADDRESSES[1:])
         self.user = getpass.getuser()
         self.host_key = root / "ssh_host_ed25519_key"
         self.client_key = keygen(root / "id_test")

@@ -17,8 +17,7 @@ from provision.core.errors import AuthError, ConfigError, NoOfferError, Provider
 from provision.core.state import ClusterRecord, NodeRecord
 from provision.providers import aws, cloud
 from provision.providers.base import UpOptions
-from tests.fakes.harness import gpuctl, node_fields, write_config
-from tests.sshd import sshd  # noqa: F401 - fixture
+from tests.fakes.harness import node_fields, write_config
 
 pytestmark = pytest.mark.timeout(240)
 AMI_NAME = "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) 20260101"
@@ -38,7 +37,7 @@ def moto_url():
 
 
 @pytest.fixture
-def ec2(moto_url, monkeypatch, sshd):  # noqa: F811
+def ec2(moto_url, monkeypatch, sshd):
     urllib.request.urlopen(urllib.request.Request(f"{moto_url}/moto-api/reset", method="POST"), timeout=30)
     for key, value in {
         "AWS_ACCESS_KEY_ID": "testing",
@@ -64,7 +63,7 @@ def register_amis(client) -> str:
     return new
 
 
-def instance_key(sshd, cluster: str) -> None:  # noqa: F811
+def instance_key(sshd, cluster: str) -> None:
     """What EC2 + cloud-init do with the imported key pair: put it in the login's authorized_keys."""
     from provision.transport.ssh import mesh
     from tests.fakes.harness import ssh_target
@@ -72,7 +71,7 @@ def instance_key(sshd, cluster: str) -> None:  # noqa: F811
     ssh_target(sshd).add_key(mesh.cluster_keypair(cluster)[1])
 
 
-def provider(ec2, tmp_path, sshd, **extra) -> dict:  # noqa: F811
+def provider(ec2, tmp_path, sshd, **extra) -> dict:
     return {
         "kind": "aws",
         "api_url": ec2.url,
@@ -86,7 +85,7 @@ def provider(ec2, tmp_path, sshd, **extra) -> dict:  # noqa: F811
     }
 
 
-def test_up_creates_what_the_design_says_and_down_removes_it(project, ec2, tmp_path, sshd, state_dir):  # noqa: F811
+def test_up_creates_what_the_design_says_and_down_removes_it(project, gpuctl, ec2, tmp_path, sshd, state_dir):
     newest = register_amis(ec2)
     write_config(project, provider(ec2, tmp_path, sshd), name="aws-t")
     instance_key(sshd, "aws-t")
@@ -117,7 +116,7 @@ def test_up_creates_what_the_design_says_and_down_removes_it(project, ec2, tmp_p
     assert [i.id for i in aws.BACKEND.list_instances(record)] == [node.instance_id]
 
     for _ in range(2):
-        result = gpuctl("down", "--yes", cwd=project)
+        result = gpuctl("down", "--yes")
         assert result.returncode == 0, result.stderr
     state = ec2.describe_instances(InstanceIds=[node.instance_id])["Reservations"][0]["Instances"][0]["State"]
     assert state["Name"] == "terminated"
@@ -127,21 +126,21 @@ def test_up_creates_what_the_design_says_and_down_removes_it(project, ec2, tmp_p
     assert not [k for k in ec2.describe_key_pairs()["KeyPairs"] if k["KeyName"] == "gpuctl-aws-t"]
 
 
-def test_offers_and_no_offer_line(project, ec2, tmp_path, sshd):  # noqa: F811
+def test_offers_and_no_offer_line(project, gpuctl, ec2, tmp_path, sshd):
     write_config(project, provider(ec2, tmp_path, sshd), name="aws-t")
-    shown = gpuctl("offers", cwd=project)
+    shown = gpuctl("offers")
     assert shown.returncode == 0 and "g5.12xlarge" in shown.stdout and "5.672" in shown.stdout
     write_config(project, provider(ec2, tmp_path, sshd, min_ram_gb=1024), name="aws-t")
-    result = gpuctl("up", "--yes", cwd=project)
+    result = gpuctl("up", "--yes")
     assert result.returncode == 5
     assert (
         "no aws offer matches (instance_type=g5.12xlarge in us-east-1, >= 4 x A10G, memory>=1024 GB)" in result.stderr
     )
 
 
-def test_missing_ami_fails_before_anything_is_left(project, ec2, tmp_path, sshd, state_dir):  # noqa: F811
+def test_missing_ami_fails_before_anything_is_left(project, gpuctl, ec2, tmp_path, sshd, state_dir):
     write_config(project, provider(ec2, tmp_path, sshd, ami_name="no such image *"), name="aws-t")
-    result = gpuctl("up", "--yes", cwd=project)
+    result = gpuctl("up", "--yes")
     assert result.returncode == 5 and "no AMI named 'no such image *'" in result.stderr
     reservations = ec2.describe_instances()["Reservations"]
     assert not [i for r in reservations for i in r["Instances"] if i["State"]["Name"] != "terminated"]
@@ -194,12 +193,12 @@ def test_price_must_be_known(ec2):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_e2e_up_train_down(project, ec2, tmp_path, sshd, state_dir):  # noqa: F811
+def test_e2e_up_train_down(project, gpuctl, ec2, tmp_path, sshd, state_dir):
     register_amis(ec2)
     write_config(project, provider(ec2, tmp_path, sshd, **node_fields(tmp_path, ranks=2)), name="aws-e2e")
     instance_key(sshd, "aws-e2e")
     for args in (("up", "--yes"), ("train",), ("down", "--yes"), ("down", "--yes")):
-        result = gpuctl(*args, cwd=project)
+        result = gpuctl(*args)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         if args == ("train",):
             assert "step 4/4" in result.stdout

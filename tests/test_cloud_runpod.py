@@ -12,15 +12,14 @@ from provision.core.config import RunPodProvider, load_config
 from provision.core.errors import NoOfferError
 from provision.providers import cloud, runpod
 from provision.providers.base import UpOptions
-from tests.fakes.harness import assert_secret_absent, gpuctl, node_fields, ssh_target, wait_until, write_config
+from tests.fakes.harness import assert_secret_absent, node_fields, ssh_target, wait_until, write_config
 from tests.fakes.runpod_api import FakeRunPod
-from tests.sshd import sshd  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture
-def fake(sshd, monkeypatch):  # noqa: F811
+def fake(sshd, monkeypatch):
     with FakeRunPod(ssh=ssh_target(sshd)) as server:
         monkeypatch.setenv("RUNPOD_API_KEY", server.key)
         monkeypatch.setattr(cloud, "POLL_S", 0.2)
@@ -49,9 +48,9 @@ def test_offers_per_cloud_type_cheapest_first(fake):
     assert spot[0].spot and spot[0].price_per_hour == pytest.approx(3 * 0.204)
 
 
-def test_no_capacity_for_the_ram_asked_is_one_line(project, fake, tmp_path):
+def test_no_capacity_for_the_ram_asked_is_one_line(project, gpuctl, fake, tmp_path):
     write_config(project, provider(fake, tmp_path, min_ram_gb=512), name="rp-t")
-    result = gpuctl("up", "--yes", cwd=project)
+    result = gpuctl("up", "--yes")
     assert result.returncode == 5
     assert "no runpod offer matches (gpuTypeId=NVIDIA GeForce RTX 4090, gpuCount=3, minMemoryInGb=512" in result.stderr
     assert not fake.pods
@@ -93,10 +92,10 @@ def test_key_from_runpod_config_toml(tmp_path, monkeypatch, fake):
     assert runpod.BACKEND.find_offers(RunPodProvider(api_url=fake.url))
 
 
-def test_wrong_key_is_a_clear_line_without_the_key(project, fake, tmp_path, state_dir):
+def test_wrong_key_is_a_clear_line_without_the_key(project, gpuctl, fake, tmp_path, state_dir):
     write_config(project, provider(fake, tmp_path), name="rp-t")
     wrong = "rp-WRONG-key-77aa55"
-    result = gpuctl("up", "--yes", cwd=project, env={"RUNPOD_API_KEY": wrong})
+    result = gpuctl("up", "--yes", env={"RUNPOD_API_KEY": wrong})
     assert result.returncode == 5
     assert "RunPod rejected the API key from $RUNPOD_API_KEY (HTTP 401)" in result.stderr
     assert_secret_absent(wrong, result.stdout, result.stderr, dirs=(state_dir,))
@@ -136,20 +135,20 @@ def test_node_teardown_sends_pod_terminate(project, fake, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_e2e_up_train_self_teardown_down(project, fake, tmp_path, state_dir):
+def test_e2e_up_train_self_teardown_down(project, gpuctl, fake, tmp_path, state_dir):
     write_config(
         project, provider(fake, tmp_path, **node_fields(tmp_path, ranks=2)), name="rp-e2e", teardown="after-train"
     )
     outputs = []
     for args in (("up", "--yes"), ("train",)):
-        result = gpuctl(*args, cwd=project)
+        result = gpuctl(*args)
         outputs += [result.stdout, result.stderr]
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "step 4/4" in outputs[2]
     wait_until(lambda: not fake.pods, 120, "the pod to terminate itself")
     assert fake.terminated == ["fakepod000001"]
     for _ in range(2):
-        down = gpuctl("down", "--yes", cwd=project)
+        down = gpuctl("down", "--yes")
         outputs += [down.stdout, down.stderr]
         assert down.returncode == 0, down.stderr
     assert_secret_absent(fake.key, *outputs, dirs=(state_dir, tmp_path / "node", project))

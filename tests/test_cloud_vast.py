@@ -19,15 +19,15 @@ from provision.core.config import VastProvider, load_config
 from provision.core.errors import ProviderError
 from provision.providers import cloud, vast
 from provision.providers.base import UpOptions
-from tests.fakes.harness import GPUCTL, assert_secret_absent, gpuctl, node_fields, ssh_target, wait_until, write_config
+from tests.fakes.harness import assert_secret_absent, node_fields, ssh_target, wait_until, write_config
 from tests.fakes.vast_api import FakeVast
-from tests.sshd import sshd  # noqa: F401 - fixture
+from tests.helpers import GPUCTL
 
 pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture
-def fake(sshd, monkeypatch):  # noqa: F811
+def fake(sshd, monkeypatch):
     with FakeVast(ssh=ssh_target(sshd)) as server:
         monkeypatch.setenv("VAST_API_KEY", server.key)
         monkeypatch.setattr(cloud, "POLL_S", 0.2)
@@ -61,19 +61,19 @@ def test_search_query_units_filters_and_cheapest_first(fake):
     assert offers[0].price_per_hour == 1.05 and offers[0].ram_gb == 257 and offers[0].num_gpus == 3
 
 
-def test_offers_command_prints_the_table(project, fake, tmp_path):
+def test_offers_command_prints_the_table(project, gpuctl, fake, tmp_path):
     write_config(project, provider(fake, tmp_path), name="vast-t")
-    result = gpuctl("offers", cwd=project)
+    result = gpuctl("offers")
     assert result.returncode == 0, result.stderr
     assert "1001" in result.stdout and "1.050" in result.stdout and "1003" in result.stdout
     assert "1002" not in result.stdout  # 64 GB RAM: filtered out
-    rows = json.loads(gpuctl("offers", "--json", cwd=project).stdout)
+    rows = json.loads(gpuctl("offers", "--json").stdout)
     assert [r["id"] for r in rows] == ["1001", "1003"]
 
 
-def test_no_offer_is_one_line_with_the_filters(project, fake, tmp_path):
+def test_no_offer_is_one_line_with_the_filters(project, gpuctl, fake, tmp_path):
     write_config(project, provider(fake, tmp_path, max_price=0.5), name="vast-t")
-    result = gpuctl("up", "--yes", cwd=project)
+    result = gpuctl("up", "--yes")
     assert result.returncode == 5
     lines = [x for x in result.stderr.splitlines() if x.startswith("error:")]
     assert len(lines) == 1
@@ -82,46 +82,46 @@ def test_no_offer_is_one_line_with_the_filters(project, fake, tmp_path):
     assert not fake.instances and not any(m == "PUT" for m, _ in fake.requests)
 
 
-def test_dry_run_shows_the_pick_and_price_and_creates_nothing(project, fake, tmp_path):
+def test_dry_run_shows_the_pick_and_price_and_creates_nothing(project, gpuctl, fake, tmp_path):
     write_config(project, provider(fake, tmp_path, max_hours=2), name="vast-t")
-    result = gpuctl("up", "--dry-run", cwd=project)
+    result = gpuctl("up", "--dry-run")
     assert result.returncode == 0, result.stderr
     assert "offer 1001: 3 x RTX 4090 at $1.050/h" in result.stderr
     assert "budget cap 2.00 h = $2.10" in result.stderr
     assert [m for m, _ in fake.requests] == ["POST"] and not fake.instances
 
 
-def test_up_asks_first_and_a_no_creates_nothing(project, fake, tmp_path):
+def test_up_asks_first_and_a_no_creates_nothing(project, gpuctl, fake, tmp_path):
     write_config(project, provider(fake, tmp_path), name="vast-t")
-    result = gpuctl("up", cwd=project, input="n\n")
+    result = gpuctl("up", input="n\n")
     assert result.returncode == 1
     assert "create 1 vast node(s) at $1.050/h?" in result.stderr
     assert "nothing was created" in result.stderr and not fake.instances
 
 
-def test_wrong_key_is_a_clear_line_without_the_key(project, fake, tmp_path, state_dir):
+def test_wrong_key_is_a_clear_line_without_the_key(project, gpuctl, fake, tmp_path, state_dir):
     write_config(project, provider(fake, tmp_path), name="vast-t")
     wrong = "vast-WRONG-key-5f3a9c1e"
     for cmd in (["offers"], ["up", "--yes"]):
-        result = gpuctl(*cmd, cwd=project, env={"VAST_API_KEY": wrong})
+        result = gpuctl(*cmd, env={"VAST_API_KEY": wrong})
         assert result.returncode == 5, result.stderr
         assert "Vast.ai rejected the API key from $VAST_API_KEY (HTTP 401)" in result.stderr
         assert_secret_absent(wrong, result.stdout, result.stderr, dirs=(state_dir,))
 
 
-def test_key_from_the_vast_api_key_file(project, fake, tmp_path, monkeypatch):
+def test_key_from_the_vast_api_key_file(project, gpuctl, fake, tmp_path, monkeypatch):
     monkeypatch.delenv("VAST_API_KEY")
     write_config(project, provider(fake, tmp_path), name="vast-t")
     home = tmp_path / "home"
     home.mkdir()
-    missing = gpuctl("offers", cwd=project, env={"HOME": str(home)})
+    missing = gpuctl("offers", env={"HOME": str(home)})
     assert missing.returncode == 5 and "~/.vast_api_key" in missing.stderr
     (home / ".vast_api_key").write_text(fake.key + "\n")
-    found = gpuctl("offers", cwd=project, env={"HOME": str(home)})
+    found = gpuctl("offers", env={"HOME": str(home)})
     assert found.returncode == 0 and "1001" in found.stdout
 
 
-def test_up_waits_for_ssh_records_price_and_down_is_idempotent(project, fake, tmp_path, state_dir):
+def test_up_waits_for_ssh_records_price_and_down_is_idempotent(project, gpuctl, fake, tmp_path, state_dir):
     cfg, record, said = up_in_process(project, fake, tmp_path)
     node = record.nodes[0]
     assert record.provider == "vast" and record.price_per_hour == 1.05
@@ -132,24 +132,24 @@ def test_up_waits_for_ssh_records_price_and_down_is_idempotent(project, fake, tm
     assert body["image"] == cfg.provider.image and body["runtype"] == "ssh_direct"
     assert body["disk"] == 200 and re.fullmatch(r"gpuctl-vast-t-0-[0-9a-f]{6}", body["label"])
     assert fake.instances[7000001]["_keys"] == [(state_dir / "keys" / "vast-t" / "id_ed25519.pub").read_text().strip()]
-    status = json.loads(gpuctl("status", "--json", cwd=project).stdout)
+    status = json.loads(gpuctl("status", "--json").stdout)
     assert status["cluster"]["price_per_hour"] == 1.05
-    shown = gpuctl("status", cwd=project)
+    shown = gpuctl("status")
     assert "cost so far: $" in shown.stdout and "at $1.050/h" in shown.stdout
 
-    first = gpuctl("down", "--yes", cwd=project)
+    first = gpuctl("down", "--yes")
     assert first.returncode == 0, first.stderr
     assert "terminated 1 vast instance(s); vast no longer lists them" in first.stderr
     assert not fake.instances and fake.deleted == [7000001]
-    second = gpuctl("down", "--yes", cwd=project)
+    second = gpuctl("down", "--yes")
     assert second.returncode == 0 and "not up; nothing to do" in second.stderr
     assert not (state_dir / "keys" / "vast-t").exists()
 
 
-def test_down_of_an_instance_that_is_already_gone(project, fake, tmp_path):
+def test_down_of_an_instance_that_is_already_gone(project, gpuctl, fake, tmp_path):
     _cfg, record, _ = up_in_process(project, fake, tmp_path)
     fake.instances.clear()  # deleted behind gpuctl's back (or by itself)
-    result = gpuctl("down", "--yes", cwd=project)
+    result = gpuctl("down", "--yes")
     assert result.returncode == 0, result.stderr
     assert "vast no longer lists them" in result.stderr
 
@@ -194,7 +194,7 @@ def test_a_node_without_gpu_is_an_error_unless_cpu_fallback(project, fake, tmp_p
     assert "shows no GPU" in err.value.one_line() and not fake.instances
 
 
-def test_down_when_the_node_already_deleted_itself_mid_run(project, fake, tmp_path, state_dir):
+def test_down_when_the_node_already_deleted_itself_mid_run(project, gpuctl, fake, tmp_path, state_dir):
     from provision.core import state
 
     _cfg, record, _ = up_in_process(project, fake, tmp_path)
@@ -215,15 +215,15 @@ def test_down_when_the_node_already_deleted_itself_mid_run(project, fake, tmp_pa
     )
     fake.instances.clear()  # the node tore itself down (budget cap) and took its SSH key along
     fake.ssh.remove_key((state_dir / "keys" / "vast-t" / "id_ed25519.pub").read_text())
-    shown = gpuctl("status", cwd=project)
+    shown = gpuctl("status")
     assert shown.returncode == 0 and "cannot reach the node" in shown.stderr and "cost so far" in shown.stdout
-    result = gpuctl("down", "--yes", cwd=project)
+    result = gpuctl("down", "--yes")
     assert result.returncode == 0, result.stderr
     assert "cannot reach the node of run r1" in result.stderr
     assert state.load_run("r1").state == "lost"
 
 
-def test_two_nodes_take_the_two_cheapest_offers_and_end_together(project, fake, tmp_path):
+def test_two_nodes_take_the_two_cheapest_offers_and_end_together(project, gpuctl, fake, tmp_path):
     fake.addresses = ("127.0.0.1", "127.0.0.2")
     _cfg, record, said = up_in_process(project, fake, tmp_path, nodes=2)
     assert [n.instance_id for n in record.nodes] == ["7000001", "7000002"]
@@ -233,7 +233,7 @@ def test_two_nodes_take_the_two_cheapest_offers_and_end_together(project, fake, 
     teardown = vast.BACKEND.self_teardown(record)
     urls = teardown.argv[4::2]
     assert urls == [f"{fake.url}/instances/7000002/", f"{fake.url}/instances/7000001/"]  # its own last
-    assert gpuctl("down", "--yes", cwd=project).returncode == 0
+    assert gpuctl("down", "--yes").returncode == 0
     assert not fake.instances and sorted(fake.deleted) == [7000001, 7000002]
 
 
@@ -274,13 +274,13 @@ def test_the_node_teardown_command_is_python_urllib_with_the_key_in_env(project,
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_e2e_up_train_self_teardown_down(project, fake, tmp_path, state_dir):
+def test_e2e_up_train_self_teardown_down(project, gpuctl, fake, tmp_path, state_dir):
     write_config(project, provider(fake, tmp_path), name="vast-e2e", teardown="after-train")
     outputs = []
-    up = gpuctl("up", "--yes", cwd=project)
+    up = gpuctl("up", "--yes")
     outputs += [up.stdout, up.stderr]
     assert up.returncode == 0, up.stderr
-    train = gpuctl("train", cwd=project)
+    train = gpuctl("train")
     outputs += [train.stdout, train.stderr]
     assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
     assert "step 4/4" in train.stdout
@@ -288,7 +288,7 @@ def test_e2e_up_train_self_teardown_down(project, fake, tmp_path, state_dir):
     assert fake.deleted == [7000001]
     assert fake.requests[-1][0] == "DELETE"  # the node's own call, not gpuctl's
     for _ in range(2):
-        down = gpuctl("down", "--yes", cwd=project)
+        down = gpuctl("down", "--yes")
         outputs += [down.stdout, down.stderr]
         assert down.returncode == 0, down.stderr
     run_dir = next((tmp_path / "node" / "runs").iterdir())
@@ -300,18 +300,18 @@ def test_e2e_up_train_self_teardown_down(project, fake, tmp_path, state_dir):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_budget_cap_tears_the_node_down_even_if_the_run_goes_on(project, fake, tmp_path):
+def test_budget_cap_tears_the_node_down_even_if_the_run_goes_on(project, gpuctl, fake, tmp_path):
     # $0.015 at $1.05/h is ~51 s from creation; the run would take many minutes.
     write_config(project, provider(fake, tmp_path, max_cost=0.015), name="vast-cap", max_steps=100000)
-    up = gpuctl("up", "--yes", cwd=project)
+    up = gpuctl("up", "--yes")
     assert up.returncode == 0, up.stderr
     assert "budget cap 0.9 min = $0.01" in up.stderr
-    started = gpuctl("train", "--detach", cwd=project)
+    started = gpuctl("train", "--detach")
     assert started.returncode == 0, started.stderr
     wait_until(lambda: not fake.instances, 180, "the budget watchdog to delete the node", every=1)
     run_dir = next((tmp_path / "node" / "runs").iterdir())
     log = (run_dir / "job.log").read_text()
     assert "budget cap reached" in log and "self-teardown accepted" in log
     wait_until(lambda: json.loads((run_dir / "status.json").read_text())["state"] == "cancelled", 60, "the run to stop")
-    down = gpuctl("down", "--yes", cwd=project)
+    down = gpuctl("down", "--yes")
     assert down.returncode == 0, down.stderr

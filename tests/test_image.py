@@ -23,7 +23,7 @@ from provision.core.errors import RemoteError
 from provision.flows import image
 from provision.providers.base import SelfTeardown
 from provision.transport.ssh.node import SSHNode
-from tests.dockerd import BASE_IMAGE, laptop_docker, node_docker, rootfs_tar  # noqa: F401
+from tests.dockerd import BASE_IMAGE
 from tests.sshd import SSHD
 
 runner = CliRunner()
@@ -74,7 +74,7 @@ def write_context(folder: Path, marker: str = "1") -> Path:
 
 
 @pytest.fixture(scope="module")
-def node_sshd(tmp_path_factory, node_docker) -> SSHD:  # noqa: F811
+def node_sshd(tmp_path_factory, node_docker) -> SSHD:
     """The loopback sshd whose sessions talk to the "node" engine."""
     server = SSHD(tmp_path_factory.mktemp("dsshd"))
     server.config.write_text(server.config.read_text() + f"SetEnv DOCKER_HOST={node_docker.host}\n")
@@ -83,7 +83,7 @@ def node_sshd(tmp_path_factory, node_docker) -> SSHD:  # noqa: F811
 
 
 @pytest.fixture
-def laptop(laptop_docker, monkeypatch):  # noqa: F811
+def laptop(laptop_docker, monkeypatch):
     monkeypatch.setenv("DOCKER_HOST", laptop_docker.host)
     return laptop_docker
 
@@ -128,7 +128,7 @@ def test_build_ship_run_in_docker_and_skip_the_second_ship(
     tmp_path,
     laptop,
     node_docker,
-    node_sshd,  # noqa: F811
+    node_sshd,
     monkeypatch,
 ):
     from provision.providers.ssh_hosts import SSHBackend
@@ -188,7 +188,7 @@ def wait_for_log(run_id: str, text: str, timeout: float = 60) -> None:
     raise AssertionError(f"{text!r} not in {log}: {log.read_text() if log.is_file() else '(none)'}")
 
 
-def test_failed_and_cancelled_runs_in_containers(tmp_path, laptop, node_sshd, node_docker):  # noqa: F811
+def test_failed_and_cancelled_runs_in_containers(tmp_path, laptop, node_sshd, node_docker):
     from provision.core import state
     from provision.flows import job
 
@@ -221,7 +221,7 @@ def test_failed_and_cancelled_runs_in_containers(tmp_path, laptop, node_sshd, no
         ok(runner.invoke(app, ["down", "-c", str(cfg), "-y"]))
 
 
-def test_build_on_the_node_from_a_streamed_context_then_skip(tmp_path, laptop, node, node_docker):  # noqa: F811
+def test_build_on_the_node_from_a_streamed_context_then_skip(tmp_path, laptop, node, node_docker):
     from provision.core.config import GpuctlConfig
 
     ctx = write_context(tmp_path / "ctx", marker="built-there")
@@ -248,7 +248,7 @@ def test_build_on_the_node_from_a_streamed_context_then_skip(tmp_path, laptop, n
     assert third.action == "built" and third.image_id != first.image_id
 
 
-def test_load_reports_bytes_and_verifies_the_id(tmp_path, laptop, node, node_docker):  # noqa: F811
+def test_load_reports_bytes_and_verifies_the_id(tmp_path, laptop, node, node_docker):
     laptop.docker("tag", BASE_IMAGE, "gpuctl-base-copy:1")
     result = image.ship(node, "gpuctl-base-copy:1", "auto", say=lambda _: None)  # auto + local copy = load
     assert result.action == "loaded" and result.bytes_sent > 10_000_000

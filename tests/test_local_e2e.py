@@ -6,24 +6,19 @@ Three CPU ranks under DeepSpeed ZeRO-2 with the optimizer offloaded to CPU, over
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.helpers import Gpuctl
+
 pytestmark = pytest.mark.slow
-GPUCTL = [sys.executable, "-m", "provision.cli"]
 
 
-def gpuctl(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([*GPUCTL, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
-
-
-def write_config(project: Path, **train) -> None:
-    assert gpuctl("init", cwd=project).returncode == 0
+def write_config(project: Path, gpuctl: Gpuctl, **train) -> None:
+    assert gpuctl("init").returncode == 0
     cfg = yaml.safe_load((project / "gpuctl.yaml").read_text())
     cfg["train"].update(train)
     (project / "gpuctl.yaml").write_text(yaml.safe_dump(cfg))
@@ -45,16 +40,16 @@ def shm_buffers() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")}
 
 
-def test_up_train_status_down(project, state_dir):
+def test_up_train_status_down(project, gpuctl, state_dir):
     shm_before = shm_buffers()
-    write_config(project, max_steps=12, checkpoint_every=6)
-    up = gpuctl("up", cwd=project)
+    write_config(project, gpuctl, max_steps=12, checkpoint_every=6)
+    up = gpuctl("up")
     assert up.returncode == 0, up.stderr
-    train = gpuctl("train", cwd=project)
+    train = gpuctl("train")
     assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
     assert "step 12/12" in train.stdout
 
-    status = json.loads(gpuctl("status", "--json", cwd=project).stdout)
+    status = json.loads(gpuctl("status", "--json").stdout)
     run = status["run"]
     assert run["state"] == "succeeded" and run["exit_code"] == 0
     assert run["steps"] == 12 and run["world_size"] == 3 and run["train_batch_size"] == 12
@@ -71,7 +66,7 @@ def test_up_train_status_down(project, state_dir):
     shards = list((store / "step12").rglob("*.pt"))
     assert any("optim_states" in s.name for s in shards) and any("model_states" in s.name for s in shards)
 
-    report = gpuctl("report", "-o", "rep", cwd=project)
+    report = gpuctl("report", "-o", "rep")
     assert report.returncode == 0, report.stderr
     assert "| 3 CPU ranks | 12 |" in report.stdout and run["run_id"] in report.stdout
     from PIL import Image
@@ -79,21 +74,21 @@ def test_up_train_status_down(project, state_dir):
     with Image.open(project / "rep" / "report.png") as png:
         assert png.size[0] > 600 and png.size[1] > 300
 
-    ls = json.loads(gpuctl("ckpt", "ls", "--json", cwd=project).stdout)
+    ls = json.loads(gpuctl("ckpt", "ls", "--json").stdout)
     assert [c["tag"] for c in ls if c["complete"]] == ["step12", "step6"]
 
-    down = gpuctl("down", cwd=project)
+    down = gpuctl("down")
     assert down.returncode == 0, down.stderr
-    assert json.loads(gpuctl("status", "--json", cwd=project).stdout)["cluster"] is None
-    assert gpuctl("report", run["run_id"], "-o", "rep2", cwd=project).returncode == 0  # after down too
+    assert json.loads(gpuctl("status", "--json").stdout)["cluster"] is None
+    assert gpuctl("report", run["run_id"], "-o", "rep2").returncode == 0  # after down too
     assert not list(state_dir.glob("clusters/*.json"))
 
 
-def test_down_stops_a_running_run(project, state_dir):
+def test_down_stops_a_running_run(project, gpuctl, state_dir):
     shm_before = shm_buffers()
-    write_config(project, max_steps=400, checkpoint_every=0)
-    assert gpuctl("up", cwd=project).returncode == 0
-    started = gpuctl("train", "--detach", cwd=project)
+    write_config(project, gpuctl, max_steps=400, checkpoint_every=0)
+    assert gpuctl("up").returncode == 0
+    started = gpuctl("train", "--detach")
     assert started.returncode == 0, started.stderr
     run_id = started.stdout.strip()
     record = json.loads((state_dir / "runs" / f"{run_id}.json").read_text())
@@ -101,7 +96,7 @@ def test_down_stops_a_running_run(project, state_dir):
     while time.monotonic() < deadline and not Path(record["run_dir"], "metrics.jsonl").exists():
         time.sleep(1)
     assert len(group_members(record["pgid"])) >= 4  # launch.sh, launcher, 3 ranks
-    down = gpuctl("down", cwd=project)
+    down = gpuctl("down")
     assert down.returncode == 0, down.stderr
     assert group_members(record["pgid"]) == []
     assert shm_buffers() <= shm_before  # killed ranks leave no /dev/shm buffer either
@@ -110,10 +105,10 @@ def test_down_stops_a_running_run(project, state_dir):
     assert not list(state_dir.glob("clusters/*.json"))
 
 
-def test_failed_run_exit_code_and_run_command(project, state_dir):
+def test_failed_run_exit_code_and_run_command(project, gpuctl, state_dir):
     (project / "corpus.txt").write_text("")  # no tokens: the trainer must fail clearly
-    write_config(project, data="corpus.txt", max_steps=2)
-    result = gpuctl("run", "--yes", cwd=project)
+    write_config(project, gpuctl, data="corpus.txt", max_steps=2)
+    result = gpuctl("run", "--yes")
     assert result.returncode != 0
     status_files = list(Path(state_dir, "local-node", "runs").glob("*/status.json"))
     assert len(status_files) == 1

@@ -12,14 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.s3server import venv_bin
 from trainer.objstore.backends import StorageNotFound, VerificationError
 from trainer.objstore.store import CheckpointStore
 from trainer.objstore.uploader import BackgroundUploader
-
-try:
-    from tests.s3server import s3_env, s3_server, venv_bin
-except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    from s3server import s3_env, s3_server, venv_bin  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -13,14 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import free_port
+from tests.s3server import LatestWatcher, MotoS3
 from trainer.objstore.backends import StorageAuthError, StorageError, StorageUnavailable, UploadError
 from trainer.objstore.store import CheckpointStore
 from trainer.objstore.uploader import BackgroundUploader
-
-try:
-    from tests.s3server import LatestWatcher, MotoS3, free_port, s3_env
-except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    from s3server import LatestWatcher, MotoS3, free_port, s3_env  # noqa: F401
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -12,17 +12,15 @@ from pathlib import Path
 import pytest
 
 from provision.cli.views import plan_table
-from provision.estimate.plan import (
+from provision.estimate.hardware import (
     KNOWN_MODELS,
     ModelDims,
     PlanError,
-    PlanInput,
     find_gpu,
-    plan,
-    plan_to_json,
     zero2_model_states_mem,
     zero3_model_states_mem,
 )
+from provision.estimate.plan import PlanInput, plan, plan_to_json
 
 ROOT = Path(__file__).resolve().parents[1]
 DEEPSEEK = dict(

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from provision.cli.app import app
 from provision.core.config import GpuctlConfig
 from provision.flows.render import BundleNode, BundleSpec, render_bundle
+from tests.helpers import free_port
 
 runner = CliRunner()
 SEED = """
@@ -44,14 +45,6 @@ DS_CHECK = textwrap.dedent("""
                       "offload": str(cfg.zero_config.offload_optimizer.device) if cfg.zero_config.offload_optimizer else None,
                       "fp16": cfg.float16_config.enabled, "bf16": cfg.bfloat16_config.enabled}))
 """)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def deepspeed_reads(ds_config: Path, world: int) -> dict:

@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from provision.core.config import GpuctlConfig
 from provision.core.errors import ConfigError
@@ -90,7 +91,7 @@ def test_secret_is_not_on_the_command_line_or_in_launch_sh(tmp_path):
     assert SECRET in (out / "secrets.env").read_text()  # 0600, sourced by launch.sh, then removed
     subprocess.run(["bash", "-n", str(out / "launch.sh")], check=True)
     # the launcher runs in the container: the docker argv comes right before python -m deepspeed
-    line = next(l for l in launch.splitlines() if "deepspeed.launcher.runner" in l)
+    line = next(text for text in launch.splitlines() if "deepspeed.launcher.runner" in text)
     words = shlex.split(line.replace('"$MASTER_PORT"', "PORT"))
     assert words[:2] == ["docker", "run"]
     assert words[words.index("reg.example/trainer:1") + 1 :][:4] == ["python3", "-u", "-m", "deepspeed.launcher.runner"]
@@ -134,7 +135,7 @@ def test_runtime_image_needs_an_image_provider():
 def test_cloud_provider_runtime_is_configurable():
     cfg = GpuctlConfig.model_validate({"provider": {"kind": "aws", "runtime": "none"}})
     assert cfg.provider.runtime == "none"
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="shm_size"):
         GpuctlConfig.model_validate({"docker": {"shm_size": "lots"}})
 
 

@@ -25,20 +25,15 @@ from provision.core.errors import ConfigError, RemoteError
 from provision.flows import cluster
 from provision.providers.base import UpOptions
 from provision.providers.ssh_hosts import BACKEND, Target, hostfile_names, stop_run_processes
+from provision.transport.ignore import walk_shipped
 from provision.transport.ssh import client_config as sshconfig
 from provision.transport.ssh import mesh
-from provision.transport.ssh.node import (
-    ConnectError,
-    SSHNode,
-    forget_host,
-    known_hosts_path,
-    wait_for_ssh,
-    walk_shipped,
-)
-from tests.sshd import SSHD, fresh_sshd, sshd  # noqa: F401  (fixtures)
+from provision.transport.ssh.connect import ConnectError, wait_for_ssh
+from provision.transport.ssh.hostkeys import known_hosts_path
+from provision.transport.ssh.node import SSHNode, forget_host
+from tests.sshd import SSHD
 
 pytestmark = pytest.mark.timeout(120)
-GPUCTL = [sys.executable, "-m", "provision.cli"]
 
 
 def node_for(server: SSHD, address: str = "127.0.0.1", pin: bool = True, **kw) -> SSHNode:
@@ -234,31 +229,25 @@ def test_host_key_pinned_on_first_contact_then_enforced(fresh_sshd, state_dir):
     assert known_hosts_path().read_text() != pinned
 
 
-def test_changed_host_key_refused_by_cli(fresh_sshd, project, state_dir):
+def test_changed_host_key_refused_by_cli(fresh_sshd, project, gpuctl, state_dir):
     write_cfg(project, fresh_sshd)
-    up = subprocess.run([*GPUCTL, "up"], cwd=project, capture_output=True, text=True, timeout=60)
+    up = gpuctl("up", timeout=60)
     assert up.returncode == 0, up.stderr
     fresh_sshd.stop()
     fresh_sshd.new_host_key()
     fresh_sshd.start()
-    status = subprocess.run([*GPUCTL, "ssh", "--", "true"], cwd=project, capture_output=True, text=True, timeout=60)
+    status = gpuctl("ssh", "--", "true", timeout=60)
     assert status.returncode != 0  # OpenSSH with the generated config refuses too
-    down = subprocess.run([*GPUCTL, "down"], cwd=project, capture_output=True, text=True, timeout=60)
+    down = gpuctl("down", timeout=60)
     assert down.returncode == 0, down.stderr  # no run to stop: down needs no connection
-    up = subprocess.run([*GPUCTL, "up"], cwd=project, capture_output=True, text=True, timeout=60)
+    up = gpuctl("up", timeout=60)
     assert up.returncode != 0
     lines = up.stderr.strip().splitlines()
     assert lines[-1].startswith("error: ") and "CHANGED" in lines[-1]
     assert f"gpuctl forget-host 127.0.0.1:{fresh_sshd.port}" in lines[-1]
-    forget = subprocess.run(
-        [*GPUCTL, "forget-host", f"127.0.0.1:{fresh_sshd.port}"],
-        cwd=project,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    forget = gpuctl("forget-host", f"127.0.0.1:{fresh_sshd.port}", timeout=60)
     assert forget.returncode == 0 and "forgot 1" in forget.stderr
-    up = subprocess.run([*GPUCTL, "up"], cwd=project, capture_output=True, text=True, timeout=60)
+    up = gpuctl("up", timeout=60)
     assert up.returncode == 0, up.stderr
 
 
@@ -322,7 +311,7 @@ def test_connection_failures_are_one_line_within_a_bound(sshd, tmp_path):
 
 
 @pytest.mark.parametrize("problem", ["wrong port", "wrong key", "silent host"])
-def test_gpuctl_up_failure_is_one_line_within_a_bound(sshd, project, state_dir, problem):
+def test_gpuctl_up_failure_is_one_line_within_a_bound(sshd, project, gpuctl, state_dir, problem):
     silent, silent_port = _silent_listener()
     try:
         host = {
@@ -336,7 +325,7 @@ def test_gpuctl_up_failure_is_one_line_within_a_bound(sshd, project, state_dir, 
             extra["identity_file"] = str(key)
         write_cfg(project, sshd, hosts=[host], ready_timeout=4, connect_timeout=2, **extra)
         start = time.monotonic()
-        up = subprocess.run([*GPUCTL, "up"], cwd=project, capture_output=True, text=True, timeout=60)
+        up = gpuctl("up", timeout=60)
         elapsed = time.monotonic() - start
     finally:
         silent.close()
@@ -381,9 +370,9 @@ def test_wait_for_ssh_wants_a_banner(sshd):
 # --- provider ssh ----------------------------------------------------------------------------
 
 
-def test_up_records_the_cluster_and_writes_ssh_config(sshd, project, state_dir):
+def test_up_records_the_cluster_and_writes_ssh_config(sshd, project, gpuctl, state_dir):
     write_cfg(project, sshd, cpu_ranks=2)
-    up = subprocess.run([*GPUCTL, "up"], cwd=project, capture_output=True, text=True, timeout=60)
+    up = gpuctl("up", timeout=60)
     assert up.returncode == 0, up.stderr
     record = state.load_cluster("sshtest")
     node = record.nodes[0]
@@ -408,15 +397,11 @@ def test_up_records_the_cluster_and_writes_ssh_config(sshd, project, state_dir):
     )
     assert plain.stdout == "hi\n", plain.stderr
     value = "a b; $(touch pwned) 'q' \"d\""
-    via = subprocess.run(
-        [*GPUCTL, "ssh", "printf", "%s|", value, "x"], cwd=project, capture_output=True, text=True, timeout=30
-    )
+    via = gpuctl("ssh", "printf", "%s|", value, "x", timeout=30)
     assert via.returncode == 0 and via.stdout == f"{value}|x|", via.stderr
-    shell = subprocess.run(
-        [*GPUCTL, "ssh", "echo one | tr o O; exit 3"], cwd=project, capture_output=True, text=True, timeout=30
-    )
+    shell = gpuctl("ssh", "echo one | tr o O; exit 3", timeout=30)
     assert shell.stdout == "One\n" and shell.returncode == 3
-    down = subprocess.run([*GPUCTL, "down"], cwd=project, capture_output=True, text=True, timeout=60)
+    down = gpuctl("down", timeout=60)
     assert down.returncode == 0, down.stderr
     assert "gpuctl-sshtest" not in (state_dir / "ssh_config").read_text()
 

@@ -74,7 +74,7 @@ def test_ssh_multinode_bundle_drives_deepspeeds_pdsh_runner(tmp_path, monkeypatc
     launch = (tmp_path / "launch.sh").read_text()
     assert "export PDSH_RCMD_TYPE=ssh" in launch
     assert "export PDSH_SSH_ARGS_APPEND='-F /home/u/gpuctl/ssh/config'" in launch
-    line = next(l for l in launch.splitlines() if "deepspeed.launcher.runner" in l)
+    line = next(text for text in launch.splitlines() if "deepspeed.launcher.runner" in text)
     argv = shlex.split(line.split(" &")[0].replace('"$MASTER_PORT"', "29500"))
     assert "--ssh_port" not in argv  # ports differ per node: they come from the ssh config
     args = ds.parse_args(argv[argv.index("deepspeed.launcher.runner") + 1 :])

@@ -18,19 +18,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.sshd import SSHD, fresh_sshd, sshd  # noqa: F401  (fixtures)
+from tests.fakes.harness import wait_until
+from tests.helpers import GPUCTL, Gpuctl
+from tests.sshd import SSHD
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-GPUCTL = [sys.executable, "-m", "provision.cli"]
 EXTENSIONS = os.environ.get(
     "TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions")
 )
-
-
-def gpuctl(*args: str, cwd: Path, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*GPUCTL, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
-    )
 
 
 def write_config(project: Path, server: SSHD, hosts: list[str], *, name: str, cpu_ranks: int, **train) -> None:
@@ -64,15 +59,6 @@ def run_record(state_dir: Path, run_id: str | None = None) -> dict:
 def metrics(run_dir: str) -> list[dict]:
     path = Path(run_dir, "metrics.jsonl")
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def processes_in(folder: str) -> list[int]:
@@ -110,7 +96,7 @@ class Follower:
             into.append(line.rstrip("\n"))
 
     def wait_line(self, needle: str, timeout: float) -> None:
-        wait_for(lambda: any(needle in line for line in self.out), timeout, f"{needle!r} in the output")
+        wait_until(lambda: any(needle in line for line in self.out), timeout, f"{needle!r} in the output")
 
     def finish(self, timeout: float) -> int:
         rc = self.proc.wait(timeout=timeout)
@@ -126,22 +112,31 @@ def single_node_run(sshd, tmp_path_factory):
     state_dir = tmp_path_factory.mktemp("single-state")
     env = {"GPUCTL_STATE_DIR": str(state_dir)}
     write_config(project, sshd, [sshd.host()], name="single", cpu_ranks=2)
+    gpuctl = Gpuctl(project)
     started = time.monotonic()
-    up = gpuctl("up", cwd=project, env=env)
+    up = gpuctl("up", env=env)
     assert up.returncode == 0, up.stderr
-    train = gpuctl("train", cwd=project, env=env)
+    train = gpuctl("train", env=env)
     took = time.monotonic() - started
-    yield {"project": project, "state_dir": state_dir, "env": env, "up": up, "train": train, "seconds": took}
-    gpuctl("down", cwd=project, env=env)
+    yield {
+        "project": project,
+        "state_dir": state_dir,
+        "env": env,
+        "gpuctl": gpuctl,
+        "up": up,
+        "train": train,
+        "seconds": took,
+    }
+    gpuctl("down", env=env)
 
 
 def test_single_node_up_train_status_down(single_node_run):
     run = single_node_run
-    train, env, project = run["train"], run["env"], run["project"]
+    train, env, project, gpuctl = run["train"], run["env"], run["project"], run["gpuctl"]
     assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
     assert "step 6/6" in train.stdout and "succeeded" in train.stdout
     assert "Include " in run["up"].stderr and "gpuctl-single" in run["up"].stderr
-    status = json.loads(gpuctl("status", "--json", cwd=project, env=env).stdout)
+    status = json.loads(gpuctl("status", "--json", env=env).stdout)
     assert status["cluster"]["provider"] == "ssh"
     result = status["run"]
     assert result["state"] == "succeeded" and result["exit_code"] == 0
@@ -149,12 +144,12 @@ def test_single_node_up_train_status_down(single_node_run):
     assert result["run_dir"].startswith(str(project / "node" / "runs"))
     assert len(metrics(result["run_dir"])) == 6
     # the node really ran it: the run's files are there, read back through `gpuctl ssh`
-    cat = gpuctl("ssh", "cat", f"{result['run_dir']}/summary.json", cwd=project, env=env)
+    cat = gpuctl("ssh", "cat", f"{result['run_dir']}/summary.json", env=env)
     assert json.loads(cat.stdout)["state"] == "succeeded"
-    down = gpuctl("down", cwd=project, env=env)
+    down = gpuctl("down", env=env)
     assert down.returncode == 0, down.stderr
     assert processes_in(result["run_dir"]) == []
-    assert json.loads(gpuctl("status", "--json", cwd=project, env=env).stdout)["cluster"] is None
+    assert json.loads(gpuctl("status", "--json", env=env).stdout)["cluster"] is None
 
 
 def test_two_nodes_match_single_node(sshd, single_node_run, tmp_path, state_dir):
@@ -163,10 +158,11 @@ def test_two_nodes_match_single_node(sshd, single_node_run, tmp_path, state_dir)
     project = tmp_path / "two"
     keys_before = sshd.authorized_keys.read_text()
     write_config(project, sshd, [sshd.host("127.0.0.1"), sshd.host("127.0.0.2")], name="two", cpu_ranks=1)
-    up = gpuctl("up", cwd=project)
+    gpuctl = Gpuctl(project)
+    up = gpuctl("up")
     assert up.returncode == 0, up.stderr
     assert "node-to-node SSH ready" in up.stderr
-    train = gpuctl("train", cwd=project)
+    train = gpuctl("train")
     assert train.returncode == 0, train.stdout[-4000:] + train.stderr[-3000:]
     record = run_record(state_dir)
     log = Path(record["run_dir"], "job.log").read_text()
@@ -176,9 +172,9 @@ def test_two_nodes_match_single_node(sshd, single_node_run, tmp_path, state_dir)
     assert Path(record["run_dir"], "hostfile").read_text() == "127.0.0.1 slots=1\n127.0.0.2 slots=1\n"
     steps = metrics(record["run_dir"])
     assert [m["step"] for m in steps] == [m["step"] for m in baseline]
-    for two, one in zip(steps, baseline):
+    for two, one in zip(steps, baseline, strict=True):
         assert abs(two["loss"] - one["loss"]) <= 1e-5 * max(1.0, abs(one["loss"])), (two, one)
-    down = gpuctl("down", cwd=project)
+    down = gpuctl("down")
     assert down.returncode == 0, down.stderr
     assert sshd.authorized_keys.read_text() == keys_before
 
@@ -187,7 +183,8 @@ def test_sshd_restart_mid_run_ctrl_c_detach_and_reattach(fresh_sshd, tmp_path, s
     server = fresh_sshd
     project = tmp_path / "restart"
     write_config(project, server, [server.host()], name="restart", cpu_ranks=1, max_steps=60)
-    assert gpuctl("up", cwd=project).returncode == 0
+    gpuctl = Gpuctl(project)
+    assert gpuctl("up").returncode == 0
     train = Follower(["train"], project)
     train.wait_line("step 1/60", timeout=400)
     train.proc.send_signal(signal.SIGINT)  # Ctrl-C: detach, the run goes on
@@ -211,21 +208,22 @@ def test_sshd_restart_mid_run_ctrl_c_detach_and_reattach(fresh_sshd, tmp_path, s
     assert any("succeeded" in line for line in logs.out + logs.err)
     for k in range(1, 61):  # resumed at its offset: every step line exactly once
         assert sum(line.endswith(f"step {k}/60") or f"step {k}/60 " in line for line in logs.out) == 1, k
-    status = json.loads(gpuctl("status", "--json", cwd=project).stdout)["run"]
+    status = json.loads(gpuctl("status", "--json").stdout)["run"]
     assert status["state"] == "succeeded"
-    assert gpuctl("down", cwd=project).returncode == 0
+    assert gpuctl("down").returncode == 0
 
 
 def test_cancel_stops_the_process_group_and_train_returns_the_exit_code(sshd, tmp_path, state_dir):
     project = tmp_path / "cancel"
     write_config(project, sshd, [sshd.host()], name="cancel", cpu_ranks=1, max_steps=500)
-    assert gpuctl("up", cwd=project).returncode == 0
-    started = gpuctl("train", "--detach", cwd=project)
+    gpuctl = Gpuctl(project)
+    assert gpuctl("up").returncode == 0
+    started = gpuctl("train", "--detach")
     assert started.returncode == 0, started.stderr
     record = run_record(state_dir, started.stdout.strip())
-    wait_for(lambda: metrics(record["run_dir"]), 400, "the first step")
+    wait_until(lambda: metrics(record["run_dir"]), 400, "the first step")
     assert processes_in(record["run_dir"])
-    cancel = gpuctl("cancel", cwd=project)
+    cancel = gpuctl("cancel")
     assert cancel.returncode == 0, cancel.stderr
     assert processes_in(record["run_dir"]) == []
     assert json.loads(Path(record["run_dir"], "status.json").read_text())["state"] == "cancelled"
@@ -234,11 +232,11 @@ def test_cancel_stops_the_process_group_and_train_returns_the_exit_code(sshd, tm
     cfg = yaml.safe_load((project / "gpuctl.yaml").read_text())
     cfg["train"].update(data="empty.txt", max_steps=2)
     (project / "gpuctl.yaml").write_text(yaml.safe_dump(cfg))
-    failed = gpuctl("train", cwd=project)
+    failed = gpuctl("train")
     status = json.loads(Path(run_record(state_dir)["run_dir"], "status.json").read_text())
     assert status["state"] == "failed" and status["exit_code"] not in (0, None)
     assert failed.returncode == status["exit_code"], failed.stderr[-2000:]
-    assert gpuctl("down", cwd=project).returncode == 0
+    assert gpuctl("down").returncode == 0
 
 
 def test_down_stops_ranks_on_every_node(sshd, tmp_path, state_dir):
@@ -246,13 +244,14 @@ def test_down_stops_ranks_on_every_node(sshd, tmp_path, state_dir):
     write_config(
         project, sshd, [sshd.host("127.0.0.1"), sshd.host("127.0.0.2")], name="down2", cpu_ranks=1, max_steps=500
     )
-    assert gpuctl("up", cwd=project).returncode == 0
-    started = gpuctl("train", "--detach", cwd=project)
+    gpuctl = Gpuctl(project)
+    assert gpuctl("up").returncode == 0
+    started = gpuctl("train", "--detach")
     assert started.returncode == 0, started.stderr
     record = run_record(state_dir, started.stdout.strip())
-    wait_for(lambda: metrics(record["run_dir"]), 400, "the first step")
+    wait_until(lambda: metrics(record["run_dir"]), 400, "the first step")
     assert len(processes_in(record["run_dir"])) >= 5  # launch.sh, runner, pdsh, 2 x (launch + rank)
-    down = gpuctl("down", cwd=project)
+    down = gpuctl("down")
     assert down.returncode == 0, down.stderr
-    wait_for(lambda: processes_in(record["run_dir"]) == [], 30, "every run process to end")
+    wait_until(lambda: processes_in(record["run_dir"]) == [], 30, "every run process to end")
     assert json.loads(Path(record["run_dir"], "status.json").read_text())["state"] == "cancelled"

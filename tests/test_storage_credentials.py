@@ -19,11 +19,6 @@ from provision.core.errors import ConfigError, NotFoundError
 from provision.flows import job
 from provision.flows.render import NODE_ENV, launcher_argv, render_bundle
 
-try:
-    from tests.s3server import s3_env
-except ImportError:
-    from s3server import s3_env  # noqa: F401
-
 MARKER = "SECRETmarker0123456789abcdefSECRET"
 
 

@@ -24,16 +24,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-try:
-    from tests.s3server import LatestWatcher, MotoS3, venv_bin
-except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    from s3server import LatestWatcher, MotoS3, venv_bin
+from tests import test_trainer_helpers as helpers
+from tests.fakes.harness import wait_until
+from tests.helpers import GPUCTL, REPO, Gpuctl
+from tests.s3server import LatestWatcher, MotoS3, venv_bin
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 pytest.importorskip("deepspeed")
 
-GPUCTL = [sys.executable, "-m", "provision.cli"]
-REPO = Path(__file__).resolve().parents[1]
 PROFILE = "gpuctl-e2e"
 KEY_ID = "AKIAE2ETESTKEY000001"
 MARKER = "e2eSECRETmarker9f8e7d6c5b4a3210SECRET"  # the secret key; must never show up
@@ -80,16 +78,16 @@ def tool_env() -> dict[str, str]:
 class Project:
     dir: Path
     env: dict[str, str]
-    outputs: list[str] = field(default_factory=list)  # everything gpuctl printed, for the leak check
+    # gpuctl in dir with exactly env; fails the test on a non-zero exit unless check=False
+    gpuctl: Gpuctl = field(init=False)
 
-    def gpuctl(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
-        out = subprocess.run(
-            [*GPUCTL, *args], cwd=self.dir, env=self.env, capture_output=True, text=True, timeout=timeout
-        )
-        self.outputs += [out.stdout, out.stderr]
-        if check:
-            assert out.returncode == 0, f"gpuctl {' '.join(args)}: {out.stdout[-3000:]}\n{out.stderr[-3000:]}"
-        return out
+    def __post_init__(self) -> None:
+        self.gpuctl = Gpuctl(self.dir, self.env, check=True)
+
+    @property
+    def outputs(self) -> list[str]:
+        """Everything gpuctl printed, for the leak check."""
+        return self.gpuctl.outputs
 
     @property
     def state(self) -> Path:
@@ -323,9 +321,6 @@ def test_other_world_size_is_refused_before_anything_ships(reference, server, tm
 
 def test_trainer_refuses_other_world_size_before_downloading(reference, server, tmp_path, monkeypatch):
     """The node's own check (a run started without gpuctl's): one rank, a 3-rank checkpoint."""
-    sys.path.insert(0, str(REPO / "tests"))
-    import test_trainer_helpers as helpers
-
     for key, value in tool_env().items():
         if key.startswith("AWS_"):
             monkeypatch.setenv(key, value)
@@ -420,13 +415,6 @@ def test_pull_shows_a_progress_bar_with_speed(reference, tmp_path):
     assert "pulled step" in text
 
 
-def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(0.2)
-
-
 def test_storage_outage_mid_run(server, tmp_path):
     """The S3 endpoint refuses connections (and live ones are cut) from step 1 on: training goes
     on to the end, uploads are retried, the run is not done until the server is back and the last
@@ -438,17 +426,18 @@ def test_storage_outage_mid_run(server, tmp_path):
         run_dir = Path(json.loads((project.state / "runs" / f"{run_id}.json").read_text())["run_dir"])
         log = run_dir / "job.log"
         steps = lambda: len(losses(run_dir)) if (run_dir / "metrics.jsonl").exists() else 0  # noqa: E731
-        wait_for(lambda: steps() >= 1, 300, "the first step")
+        wait_until(lambda: steps() >= 1, 300, "the first step", every=0.2)
         server.outage()
         try:
             cut_at = steps()
-            wait_for(
+            wait_until(
                 lambda: (
                     "waiting for checkpoint uploads" in log.read_text()
                     and "checkpoint step5: attempt 1 failed" in log.read_text()
                 ),
                 240,
                 "training to end while down",
+                every=0.2,
             )
             assert steps() == 10 and cut_at < 5  # steps kept coming while the store was down
             assert json.loads((run_dir / "status.json").read_text())["state"] == "running"  # final sync pending

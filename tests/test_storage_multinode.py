@@ -11,26 +11,25 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.helpers import Gpuctl
 from tests.s3server import MotoS3
-from tests.sshd import SSHD, sshd  # noqa: F401  (fixture)
+from tests.sshd import SSHD
 from tests.test_storage_e2e import MARKER, ArgvWatch, cli_env, objects
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 pytest.importorskip("deepspeed")
-GPUCTL = [sys.executable, "-m", "provision.cli"]
 EXTENSIONS = os.environ.get(
     "TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions")
 )
 
 
-def test_two_nodes_upload_with_handed_over_credentials(sshd: SSHD, tmp_path):  # noqa: F811
+def test_two_nodes_upload_with_handed_over_credentials(sshd: SSHD, tmp_path):
     project = tmp_path / "project"
     project.mkdir()
     env = cli_env(tmp_path / "aws", tmp_path / "state")
@@ -59,12 +58,8 @@ def test_two_nodes_upload_with_handed_over_credentials(sshd: SSHD, tmp_path):  #
         }  # the ranks' shells start from sshd
         (project / "gpuctl.yaml").write_text(yaml.safe_dump(cfg))
 
-        def gpuctl(*args: str) -> subprocess.CompletedProcess:
-            out = subprocess.run([*GPUCTL, *args], cwd=project, env=env, capture_output=True, text=True, timeout=600)
-            outputs.extend([out.stdout, out.stderr])
-            return out
-
-        outputs: list[str] = []
+        gpuctl = Gpuctl(project, env)
+        outputs = gpuctl.outputs  # everything gpuctl printed, for the leak check
         up = gpuctl("up")
         assert up.returncode == 0, up.stderr
         try:

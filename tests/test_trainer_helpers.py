@@ -13,12 +13,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO, free_port  # free_port: also the benchmarks' h.free_port()
 
 
 def ds_config(
@@ -103,12 +102,6 @@ def make_run_dir(
     }
     (path / "run.json").write_text(json.dumps(run, indent=2))
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def rank_env() -> dict[str, str]:

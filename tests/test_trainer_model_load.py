@@ -14,8 +14,11 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import torch
+import transformers
 
 from trainer import model as trainer_model
 from trainer.config import TrainConfig

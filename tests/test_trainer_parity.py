@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
+from tests import test_trainer_helpers as h
+
 pytest.importorskip("deepspeed")
-sys.path.insert(0, str(Path(__file__).parent))
-import test_trainer_helpers as h
 
 STEPS = 3
 

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests import test_trainer_helpers as h
+
 pytest.importorskip("deepspeed")
-sys.path.insert(0, str(Path(__file__).parent))
-import test_trainer_helpers as h
 
 WORLD, ACCUM, STEPS, AT = 2, 2, 6, 3
 

@@ -15,7 +15,8 @@ pytest.importorskip("transformers")
 
 from provision.core.config import load_config
 from provision.core.errors import ConfigError
-from tests.s3server import HOST, free_port, s3_env  # noqa: F401 (fixture)
+from tests.helpers import free_port
+from tests.s3server import HOST
 from trainer.config import TrainerError
 from trainer.dataset import PackedTokens, cache_path, prepare_token_file, resolve_data
 from trainer.tokenizer import byte_tokenizer

@@ -12,6 +12,7 @@ import pytest
 
 from provision.core.config import GpuctlConfig
 from provision.flows.render import BundleNode, BundleSpec, render_bundle
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -30,14 +31,6 @@ MONITOR_CHECK = textwrap.dedent("""
     tb = DeepSpeedConfig(sys.argv[1], mpu=DataParallel()).monitor_config.tensorboard
     print(json.dumps({"enabled": tb.enabled, "output_path": tb.output_path, "job_name": tb.job_name}))
 """)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def render(tmp_path, **train) -> dict:

@@ -175,7 +175,7 @@ class Sampler:
         """Sample indices at positions [position, position + batch_size) of the endless order."""
         positions = np.arange(position, position + batch_size)
         epochs, offsets = np.divmod(positions, self.num_samples)
-        return np.array([self._perm(int(e))[o] for e, o in zip(epochs, offsets)], dtype=np.int64)
+        return np.array([self._perm(int(e))[o] for e, o in zip(epochs, offsets, strict=True)], dtype=np.int64)
 
 
 def micro_slice(global_batch: np.ndarray, rank: int, micro: int, world: int, micro_batch: int) -> np.ndarray:

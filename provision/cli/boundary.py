@@ -39,6 +39,8 @@ def _is(exc: BaseException, module: str, name: str) -> bool:
 
 def _storage_error(exc: BaseException) -> GpuctlError | None:
     backends = "trainer.objstore.backends"
+    if _is(exc, backends, "InvalidTag"):
+        return ConfigError(str(exc), "`gpuctl ckpt ls` lists the tags")
     if _is(exc, backends, "StorageNotFound"):
         return NotFoundError(f"storage: {exc}", "`gpuctl ckpt ls` lists what the store holds; check storage.url")
     if _is(exc, backends, "StorageAuthError"):

@@ -48,20 +48,22 @@ def offers(
     """List the rentable machines that match the config's cloud provider, cheapest first."""
     from dataclasses import asdict
 
+    from provision.core.config import CloudProvider
     from provision.core.errors import ConfigError
     from provision.providers import backend
 
     cfg = load(config)
     provider = backend(cfg.provider.kind)
-    if provider.offers is None:
-        raise ConfigError(f"provider {cfg.provider.kind} rents nothing", "offers are for vast, runpod and aws")
-    rows = provider.offers.find_offers(cfg.provider)[:limit]
+    prov = cfg.provider
+    if provider.offers is None or not isinstance(prov, CloudProvider):
+        raise ConfigError(f"provider {prov.kind} rents nothing", "offers are for vast, runpod and aws")
+    rows = provider.offers.find_offers(prov)[:limit]
     if as_json:
         typer.echo(json.dumps([asdict(o) for o in rows], indent=2))
         return
     from provision.cli.views import print_offers
 
-    print_offers(rows, f"{cfg.provider.kind} offers {provider.offers.filters_text(cfg.provider)}")
+    print_offers(rows, f"{prov.kind} offers {provider.offers.filters_text(prov)}")
 
 
 @app.command()
@@ -123,6 +125,7 @@ def run_all(config: ConfigOpt = None, yes: YesOpt = False) -> None:
 
     cfg = load(config)
     record = cluster.up(cfg, UpOptions(assume_yes=yes, confirm=confirmer(yes), say=say))
+    assert record is not None  # up returns None only on a dry run
     code = 1
     try:
         run = job.start_run(cfg, record, say=say)

@@ -52,12 +52,12 @@ def train(
     from provision.flows import job
 
     cfg = load(config)
-    resume = resume_from or ("latest" if resume else None)
+    resume_tag = resume_from or ("latest" if resume else None)
     if dry_run:
-        _print_dry_run(cfg, resume)
+        _print_dry_run(cfg, resume_tag)
         return
     check_batch(cfg.train, _planned_or_recorded(cfg).world_size)  # a config error comes first
-    run = job.start_run(cfg, state.load_cluster(cfg.cluster_name), resume=resume, say=say)
+    run = job.start_run(cfg, state.load_cluster(cfg.cluster_name), resume=resume_tag, say=say)
     if detach:
         typer.echo(run.run_id)
         return

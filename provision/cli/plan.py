@@ -65,6 +65,8 @@ def plan_defaults(cfg: GpuctlConfig | None) -> dict[str, Any]:
     """The run's own gpuctl.yaml as plan input; DeepSeek-7B on 3x RTX 4090 without one."""
     if cfg is None:
         return {}
+    from provision.core.config import CloudProvider
+
     prov, train = cfg.provider, cfg.train
     gpus = getattr(prov, "gpus_per_node", None) or getattr(prov, "cpu_ranks", None) or 1
     out = dict(
@@ -78,6 +80,6 @@ def plan_defaults(cfg: GpuctlConfig | None) -> dict[str, Any]:
         gradient_checkpointing=train.gradient_checkpointing,
         precision=train.precision,
     )
-    if getattr(prov, "gpu", None):
+    if isinstance(prov, CloudProvider) and prov.gpu:
         out["gpu"] = prov.gpu
     return out

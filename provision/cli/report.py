@@ -44,7 +44,8 @@ def report(
     """A Markdown table like the seed article's and a PNG of loss and tokens/s over steps."""
     from provision.estimate.report import report_markdown, report_png
 
-    inputs = [_report_input(r) for r in (runs or [None])]
+    run_ids: list[str | None] = list(runs) if runs else [None]
+    inputs = [_report_input(r) for r in run_ids]
     base = _report_input(baseline) if baseline else None
     output.mkdir(parents=True, exist_ok=True)
     markdown = report_markdown(inputs, baseline=base)

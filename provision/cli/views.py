@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
 
     from provision.estimate.plan import PlanResult
-    from trainer.objstore.store import CheckpointInfo
+    from provision.providers.base import Offer
+    from trainer.objstore.layout import CheckpointInfo
 
 
 def _ago(epoch: float | None) -> str:
@@ -19,7 +20,7 @@ def _ago(epoch: float | None) -> str:
     return f"{secs // 3600}h{secs % 3600 // 60:02d}m" if secs >= 3600 else f"{secs // 60}m{secs % 60:02d}s"
 
 
-def print_status(info: dict) -> None:
+def print_status(info: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -66,7 +67,7 @@ def print_status(info: dict) -> None:
         console.print(f"tokens/s {tps:,.0f}  world size {run.get('world_size')}  batch {run.get('train_batch_size')}")
 
 
-def print_offers(offers: list, title: str) -> None:
+def print_offers(offers: list[Offer], title: str) -> None:
     """Cloud offers (providers.cloud.Offer), cheapest first; an empty list says so."""
     from rich.console import Console
     from rich.table import Table

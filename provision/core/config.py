@@ -28,9 +28,9 @@ class LocalProvider(Strict):
     """This machine is the node: GPUs when nvidia-smi sees them, else CPU ranks over gloo."""
 
     kind: Literal["local"] = "local"
-    gpus_per_node: int | None = Field(None, ge=1, description="GPUs to use; None = all visible")
-    cpu_ranks: int = Field(3, ge=1, le=64, description="ranks to start when there is no GPU")
-    python: str | None = Field(None, description="interpreter with torch+deepspeed; default: gpuctl's own")
+    gpus_per_node: int | None = Field(default=None, ge=1, description="GPUs to use; None = all visible")
+    cpu_ranks: int = Field(default=3, ge=1, le=64, description="ranks to start when there is no GPU")
+    python: str | None = Field(default=None, description="interpreter with torch+deepspeed; default: gpuctl's own")
 
 
 class SSHProvider(Strict):
@@ -38,20 +38,21 @@ class SSHProvider(Strict):
 
     kind: Literal["ssh"] = "ssh"
     hosts: list[str] = Field(..., min_length=1, description="user@host:port, one per node")
-    identity_file: str | None = Field(None, description="private key for the hosts")
-    gpus_per_node: int | None = Field(None, ge=1, description="None = what nvidia-smi reports")
-    cpu_ranks: int = Field(3, ge=1, le=64, description="ranks per node when a node has no GPU")
-    python: str = Field("python3", description="interpreter on the node with torch+deepspeed")
-    setup: str | None = Field(None, description="shell command run on the node before each job")
+    identity_file: str | None = Field(default=None, description="private key for the hosts")
+    gpus_per_node: int | None = Field(default=None, ge=1, description="None = what nvidia-smi reports")
+    cpu_ranks: int = Field(default=3, ge=1, le=64, description="ranks per node when a node has no GPU")
+    python: str = Field(default="python3", description="interpreter on the node with torch+deepspeed")
+    setup: str | None = Field(default=None, description="shell command run on the node before each job")
     runtime: Literal["auto", "docker", "none"] = "auto"
-    image: str | None = Field(None, description="container image for runtime docker")
-    connect_timeout: float = Field(10, gt=0, le=600)
-    ready_timeout: float = Field(120, gt=0, le=3600, description="retry a booting node until then")
+    image: str | None = Field(default=None, description="container image for runtime docker")
+    connect_timeout: float = Field(default=10, gt=0, le=600)
+    ready_timeout: float = Field(default=120, gt=0, le=3600, description="retry a booting node until then")
     workdir: str | None = Field(
-        None, description="node folder for run dirs (same path on every node); default <first node's $HOME>/gpuctl"
+        default=None,
+        description="node folder for run dirs (same path on every node); default <first node's $HOME>/gpuctl",
     )
     authorized_keys: str = Field(
-        "~/.ssh/authorized_keys",
+        default="~/.ssh/authorized_keys",
         description="file the nodes' sshd reads keys "
         "from; with 2+ hosts gpuctl adds the cluster's own key there for pdsh",
     )
@@ -71,24 +72,26 @@ class SSHProvider(Strict):
 class CloudProvider(Strict):
     """Fields shared by the rented-machine providers."""
 
-    gpu: str = Field("RTX 4090", description="GPU model to rent")
-    gpus_per_node: int = Field(3, ge=1, le=16)
-    nodes: int = Field(1, ge=1, le=64)
-    min_ram_gb: float = Field(128, ge=0, description="host RAM; 7B + CPU optimizer offload needs >= 128")
-    disk_gb: float = Field(200, gt=0)
-    max_price: float | None = Field(None, gt=0, description="$/h per node ceiling")
-    max_hours: float | None = Field(None, gt=0, description="node tears itself down after this")
-    max_cost: float | None = Field(None, gt=0, description="node tears itself down after spending this")
-    image: str = Field("ghcr.io/gpuctl/trainer:0.1.0", description="container image for the node")
+    gpu: str = Field(default="RTX 4090", description="GPU model to rent")
+    gpus_per_node: int = Field(default=3, ge=1, le=16)
+    nodes: int = Field(default=1, ge=1, le=64)
+    min_ram_gb: float = Field(default=128, ge=0, description="host RAM; 7B + CPU optimizer offload needs >= 128")
+    disk_gb: float = Field(default=200, gt=0)
+    max_price: float | None = Field(default=None, gt=0, description="$/h per node ceiling")
+    max_hours: float | None = Field(default=None, gt=0, description="node tears itself down after this")
+    max_cost: float | None = Field(default=None, gt=0, description="node tears itself down after spending this")
+    image: str = Field(default="ghcr.io/gpuctl/trainer:0.1.0", description="container image for the node")
     runtime: Literal["auto", "docker", "image", "none"] = Field(
-        "auto", description="auto: vast/runpod boot the image, aws runs it with docker"
+        default="auto", description="auto: vast/runpod boot the image, aws runs it with docker"
     )
-    api_url: str | None = Field(None, description="vendor API base (a proxy or test server); default the vendor's")
+    api_url: str | None = Field(
+        default=None, description="vendor API base (a proxy or test server); default the vendor's"
+    )
     python: str = "python3"
-    ready_timeout: float = Field(900, gt=0, le=7200, description="seconds a new node has to answer SSH")
-    workdir: str | None = Field(None, description="node folder for run dirs; default $HOME/gpuctl")
+    ready_timeout: float = Field(default=900, gt=0, le=7200, description="seconds a new node has to answer SSH")
+    workdir: str | None = Field(default=None, description="node folder for run dirs; default $HOME/gpuctl")
     cpu_ranks_fallback: int | None = Field(
-        None,
+        default=None,
         ge=1,
         le=64,
         description="a node that shows no GPU runs this many CPU ranks (test stand-ins); "
@@ -98,36 +101,38 @@ class CloudProvider(Strict):
 
 class VastProvider(CloudProvider):
     kind: Literal["vast"] = "vast"
-    reliability: float = Field(0.98, ge=0, le=1)
+    reliability: float = Field(default=0.98, ge=0, le=1)
     verified: bool = True
 
 
 class RunPodProvider(CloudProvider):
     kind: Literal["runpod"] = "runpod"
-    gpu: str = Field("NVIDIA GeForce RTX 4090", description="RunPod gpuTypeId")
+    gpu: str = Field(default="NVIDIA GeForce RTX 4090", description="RunPod gpuTypeId")
     cloud_type: Literal["SECURE", "COMMUNITY", "ALL"] = "ALL"
     interruptible: bool = False
-    bid_per_gpu: float | None = Field(None, gt=0, description="spot bid $/h per GPU; default the current minimum")
+    bid_per_gpu: float | None = Field(
+        default=None, gt=0, description="spot bid $/h per GPU; default the current minimum"
+    )
 
 
 class AWSProvider(CloudProvider):
     kind: Literal["aws"] = "aws"
     gpu: str = "A10G"
-    gpus_per_node: int = Field(4, ge=1, le=16)
+    gpus_per_node: int = Field(default=4, ge=1, le=16)
     instance_type: str = "g5.12xlarge"
     region: str = "us-east-1"
     ami_name: str = "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) *"
-    ami_owner: str = Field("amazon", description="describe_images Owners: amazon, self, or an account id")
-    ami_id: str | None = Field(None, description="use this AMI instead of looking ami_name up")
+    ami_owner: str = Field(default="amazon", description="describe_images Owners: amazon, self, or an account id")
+    ami_id: str | None = Field(default=None, description="use this AMI instead of looking ami_name up")
     key_name: str | None = Field(
-        None,
+        default=None,
         description="also let this existing EC2 key pair log in; gpuctl "
         "itself always uses the cluster's own key (imported, or via user data)",
     )
-    ssh_user: str = Field("ubuntu", description="login user of the AMI")
-    ssh_cidr: str | None = Field(None, description="who may reach port 22; default your public IP/32")
+    ssh_user: str = Field(default="ubuntu", description="login user of the AMI")
+    ssh_cidr: str | None = Field(default=None, description="who may reach port 22; default your public IP/32")
     price_per_hour: float | None = Field(
-        None, gt=0, description="$/h per node for cost and caps; default gpuctl's on-demand table for the type"
+        default=None, gt=0, description="$/h per node for cost and caps; default gpuctl's on-demand table for the type"
     )
 
 
@@ -140,28 +145,28 @@ Provider = Annotated[
 class TrainConfig(Strict):
     """What to train and how. train_batch_size = micro_batch x grad_accum x world size."""
 
-    model: str = Field("tiny", description="'tiny' (CPU-sized DeepSeek shape), an HF id, or a local path")
-    tokenizer: str | None = Field(None, description="default: the model's own")
-    data: str = Field("sample", description="'sample' (shipped), or a .txt/.jsonl/.parquet path")
-    seq_len: int = Field(128, ge=8, le=131072)
-    micro_batch: int = Field(1, ge=1, le=4096)
-    grad_accum: int = Field(4, ge=1, le=4096)
-    train_batch_size: int | None = Field(None, ge=1, description="optional; must equal the product")
+    model: str = Field(default="tiny", description="'tiny' (CPU-sized DeepSeek shape), an HF id, or a local path")
+    tokenizer: str | None = Field(default=None, description="default: the model's own")
+    data: str = Field(default="sample", description="'sample' (shipped), or a .txt/.jsonl/.parquet path")
+    seq_len: int = Field(default=128, ge=8, le=131072)
+    micro_batch: int = Field(default=1, ge=1, le=4096)
+    grad_accum: int = Field(default=4, ge=1, le=4096)
+    train_batch_size: int | None = Field(default=None, ge=1, description="optional; must equal the product")
     precision: Literal["fp16", "bf16", "fp32"] = "fp32"
-    zero_stage: int = Field(2, ge=0, le=3)
+    zero_stage: int = Field(default=2, ge=0, le=3)
     offload_optimizer: Literal["none", "cpu"] = "cpu"
-    lr: float = Field(1e-3, gt=0, le=1)
-    warmup_steps: int = Field(0, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, ge=0)
-    max_steps: int = Field(30, ge=1)
-    checkpoint_every: int = Field(10, ge=0, description="0 = only at the end")
-    keep_local: int = Field(2, ge=1, description="checkpoints kept on the node's disk")
-    seed: int = Field(1234, ge=0)
+    lr: float = Field(default=1e-3, gt=0, le=1)
+    warmup_steps: int = Field(default=0, ge=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    grad_clip: float = Field(default=1.0, ge=0)
+    max_steps: int = Field(default=30, ge=1)
+    checkpoint_every: int = Field(default=10, ge=0, description="0 = only at the end")
+    keep_local: int = Field(default=2, ge=1, description="checkpoints kept on the node's disk")
+    seed: int = Field(default=1234, ge=0)
     gradient_checkpointing: bool = False
-    log_every: int = Field(1, ge=1)
+    log_every: int = Field(default=1, ge=1)
     tensorboard: bool = Field(
-        False,
+        default=False,
         description="DeepSpeed's TensorBoard monitor -> <run dir>/tensorboard/ "
         "(needs the tensorboard package on the node)",
     )
@@ -174,11 +179,11 @@ class TrainConfig(Strict):
 
 
 class StorageConfig(Strict):
-    url: str = Field("./gpuctl-storage", description="file:///abs, a path, or s3://bucket/prefix")
-    endpoint_url: str | None = Field(None, description="S3-compatible endpoint (R2, MinIO)")
+    url: str = Field(default="./gpuctl-storage", description="file:///abs, a path, or s3://bucket/prefix")
+    endpoint_url: str | None = Field(default=None, description="S3-compatible endpoint (R2, MinIO)")
     region: str | None = None
-    profile: str | None = Field(None, description="AWS profile on the laptop")
-    keep: int = Field(3, ge=1, description="newest complete checkpoints kept in the store")
+    profile: str | None = Field(default=None, description="AWS profile on the laptop")
+    keep: int = Field(default=3, ge=1, description="newest complete checkpoints kept in the store")
 
     @field_validator("url")
     @classmethod
@@ -195,23 +200,23 @@ class DockerConfig(Strict):
     """How runtime docker gets the image to a node and runs the launcher in it."""
 
     ship: Literal["auto", "pull", "load", "build"] = Field(
-        "auto",
+        default="auto",
         description="pull: from the registry; load: docker save | ssh | docker load of the "
         "laptop's copy; build: build on the node; auto: load when the laptop has the image, else pull",
     )
-    shm_size: str = Field("16g", pattern=r"^[0-9]+[bkmgBKMG]?$", description="docker run --shm-size")
+    shm_size: str = Field(default="16g", pattern=r"^[0-9]+[bkmgBKMG]?$", description="docker run --shm-size")
     ulimits: list[str] = Field(
-        ["memlock=-1", "stack=67108864"],
+        default=["memlock=-1", "stack=67108864"],
         description="docker run --ulimit values (NVIDIA's recommendation for training)",
     )
     mounts: list[str] = Field(default_factory=list, description="extra docker run -v SRC:DST[:ro]")
     run_args: list[str] = Field(default_factory=list, description="extra docker run arguments")
-    context: str | None = Field(None, description="build context (default: gpuctl's own source tree)")
-    dockerfile: str = Field("Dockerfile", description="relative to the build context")
+    context: str | None = Field(default=None, description="build context (default: gpuctl's own source tree)")
+    dockerfile: str = Field(default="Dockerfile", description="relative to the build context")
 
 
 class GpuctlConfig(Strict):
-    name: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9-]{0,39}$", description="cluster name")
+    name: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9-]{0,39}$", description="cluster name")
     provider: Provider = Field(default_factory=LocalProvider)
     train: TrainConfig = Field(default_factory=TrainConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
@@ -299,7 +304,11 @@ def load_config(path: Path | None = None) -> GpuctlConfig:
     if not path.is_file():
         raise ConfigError(f"no config at {path}", "run `gpuctl init` or pass -c PATH")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: byte {exc.start} is not UTF-8 text", "save the file as UTF-8") from None
+    try:
+        raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""

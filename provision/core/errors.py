@@ -30,6 +30,12 @@ class RemoteError(GpuctlError):
     exit_code = 4
 
 
+class StateError(GpuctlError):
+    """A record in gpuctl's state dir is damaged (truncated, edited, from another version)."""
+
+    exit_code = 6
+
+
 class ProviderError(GpuctlError):
     """A cloud provider's API refused a request or kept failing."""
 

@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, TypeVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
-from provision.core.errors import NotFoundError
+from provision.core.errors import ConfigError, NotFoundError, StateError
+from trainer.objstore.atomic import atomic_write
 
 STATE_ENV = "GPUCTL_STATE_DIR"
 
@@ -97,24 +99,33 @@ def locked() -> Iterator[Path]:
         yield root
 
 
-def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # cluster names, run ids: one file name each
+Record = TypeVar("Record", ClusterRecord, RunRecord)
+
+
+def _path(kind: str, key: str) -> Path:
+    if not KEY_RE.match(key):
+        what = "cluster name" if kind == "clusters" else "run id"
+        raise ConfigError(f"{what} {key!r} is not one gpuctl makes", "see `gpuctl status` for what exists")
+    return state_dir() / kind / f"{key}.json"
+
+
+def _read(path: Path, model: type[Record]) -> Record:
+    """A record from its file; a damaged one is one line naming the file and the field."""
     try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        return model.model_validate_json(path.read_bytes())
+    except ValidationError as err:
+        first = err.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "(the JSON itself)"
+        raise StateError(
+            f"{path}: {field}: {first['msg']}", "restore the file, or delete it to make gpuctl forget that record"
+        ) from None
 
 
 def _save(kind: str, key: str, record: BaseModel) -> None:
-    with locked() as root:
-        write_atomic(root / kind / f"{key}.json", record.model_dump_json(indent=2) + "\n")
+    path = _path(kind, key)
+    with locked():
+        atomic_write(path, record.model_dump_json(indent=2) + "\n")
 
 
 def save_cluster(record: ClusterRecord) -> None:
@@ -126,10 +137,10 @@ def save_run(record: RunRecord) -> None:
 
 
 def load_cluster(name: str) -> ClusterRecord:
-    path = state_dir() / "clusters" / f"{name}.json"
+    path = _path("clusters", name)
     if not path.is_file():
         raise NotFoundError(f"cluster {name!r} is not up", "run `gpuctl up` first")
-    return ClusterRecord.model_validate_json(path.read_text())
+    return _read(path, ClusterRecord)
 
 
 def find_cluster(name: str) -> ClusterRecord | None:
@@ -140,18 +151,19 @@ def find_cluster(name: str) -> ClusterRecord | None:
 
 
 def delete_cluster(name: str) -> None:
-    with locked() as root:
-        (root / "clusters" / f"{name}.json").unlink(missing_ok=True)
+    path = _path("clusters", name)
+    with locked():
+        path.unlink(missing_ok=True)
 
 
 def list_clusters() -> list[ClusterRecord]:
     folder = state_dir() / "clusters"
-    return [ClusterRecord.model_validate_json(p.read_text()) for p in sorted(folder.glob("*.json"))]
+    return [_read(p, ClusterRecord) for p in sorted(folder.glob("*.json"))]
 
 
 def list_runs(cluster: str | None = None) -> list[RunRecord]:
     folder = state_dir() / "runs"
-    runs = [RunRecord.model_validate_json(p.read_text()) for p in folder.glob("*.json")]
+    runs = [_read(p, RunRecord) for p in folder.glob("*.json")]
     runs = [r for r in runs if cluster is None or r.cluster == cluster]
     return sorted(runs, key=lambda r: r.created_at)
 
@@ -159,10 +171,10 @@ def list_runs(cluster: str | None = None) -> list[RunRecord]:
 def load_run(run_id: str | None, cluster: str | None = None) -> RunRecord:
     """A run by id, or the newest run (of the cluster, when given)."""
     if run_id:
-        path = state_dir() / "runs" / f"{run_id}.json"
+        path = _path("runs", run_id)
         if not path.is_file():
             raise NotFoundError(f"no run {run_id!r}", "see `gpuctl status` for the runs")
-        return RunRecord.model_validate_json(path.read_text())
+        return _read(path, RunRecord)
     runs = list_runs(cluster)
     if not runs:
         raise NotFoundError("no run yet", "start one with `gpuctl train`")
@@ -170,12 +182,13 @@ def load_run(run_id: str | None, cluster: str | None = None) -> RunRecord:
 
 
 def update_run(run_id: str, **changes: object) -> RunRecord:
-    with locked() as root:
-        path = root / "runs" / f"{run_id}.json"
-        record = RunRecord.model_validate_json(path.read_text()).model_copy(update=changes)
-        write_atomic(path, record.model_dump_json(indent=2) + "\n")
+    path = _path("runs", run_id)
+    with locked():
+        record = _read(path, RunRecord).model_copy(update=changes)
+        atomic_write(path, record.model_dump_json(indent=2) + "\n")
     return record
 
 
-def dump(record: BaseModel) -> dict:
-    return json.loads(record.model_dump_json())
+def dump(record: BaseModel) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(record.model_dump_json())
+    return data

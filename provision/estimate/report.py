@@ -21,6 +21,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -104,7 +105,7 @@ class RunStats:
     notes: list[str] = field(default_factory=list)
 
 
-def _opt_float(obj: dict, key: str) -> float | None:
+def _opt_float(obj: dict[str, Any], key: str) -> float | None:
     value = obj.get(key)
     return None if value is None else float(value)
 

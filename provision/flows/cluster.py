@@ -30,7 +30,7 @@ def up(cfg: GpuctlConfig, opts: UpOptions) -> state.ClusterRecord | None:
             from provision.flows.image import ship_cluster
 
             ship_cluster(cfg, record, opts.say)
-        from provision.transport.ssh import sshconfig
+        from provision.transport.ssh import client_config as sshconfig
 
         sshconfig.refresh()
         if sshconfig.ssh_reachable(record):
@@ -70,7 +70,7 @@ def down(name: str, say: Callable[[str], None] = print) -> bool:
             )
     provider.down(cluster, say)
     state.delete_cluster(name)
-    from provision.transport.ssh import sshconfig
+    from provision.transport.ssh import client_config as sshconfig
 
     sshconfig.refresh()
     say(f"cluster {name} is down")
@@ -113,7 +113,7 @@ def planned(cfg: GpuctlConfig) -> state.ClusterRecord:
                 accelerator="cuda" if prov.gpus_per_node else "cpu",
                 workdir=workdir,
             )
-            for t, name in zip(found, hostfile_names(found))
+            for t, name in zip(found, hostfile_names(found), strict=True)
         ]
         docker = prov.runtime == "docker"  # auto depends on the node; `up` decides
         return state.ClusterRecord(

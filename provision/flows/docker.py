@@ -15,9 +15,16 @@ copies the value from its own environment. Only non-secret values (paths) are wr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from provision.core.errors import ConfigError
 from provision.providers.base import DEFAULT_IMAGE
+
+if TYPE_CHECKING:
+    from provision.core.config import GpuctlConfig
+    from provision.core.state import ClusterRecord, RunRecord
+    from provision.flows.render import BundleSpec
+    from provision.transport.remote import Node
 
 # Credentials the trainer or the hub may need. A name the host does not have is not set in
 # the container (docker's `-e NAME` semantics), so passing the whole list is harmless.
@@ -77,7 +84,7 @@ def container_name(run_id: str) -> str:
     return f"gpuctl-{run_id}"
 
 
-def remove_container(run, node) -> None:
+def remove_container(run: RunRecord, node: Node) -> None:
     """Force-remove a run's container (after its `docker run` client was killed); no-op otherwise."""
     from provision.core.state import find_cluster
 
@@ -86,7 +93,7 @@ def remove_container(run, node) -> None:
         node.run(["docker", "rm", "-f", container_name(run.run_id)], check=False, timeout=120)
 
 
-def docker_run_for(cfg, cluster, spec) -> DockerRun:
+def docker_run_for(cfg: GpuctlConfig, cluster: ClusterRecord, spec: BundleSpec) -> DockerRun:
     """The DockerRun of a run: image from the cluster record, env names from the bundle spec.
 
     Call it after every secret is in spec.secrets (job.bundle_spec does, as its last step).

@@ -24,11 +24,18 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, TYPE_CHECKING
 
+from provision.core.config import CloudProvider, GpuctlConfig, SSHProvider
 from provision.core.errors import ConfigError, GpuctlError, RemoteError
 from provision.providers.base import DEFAULT_IMAGE
 from provision.transport.remote import CommandResult, LocalNode, Node
 from provision.transport.stream import pipe_into
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
+
+    from provision.core.state import ClusterRecord
 
 Say = Callable[[str], None]
 USER_ENV, PASSWORD_ENV = "GPUCTL_REGISTRY_USER", "GPUCTL_REGISTRY_PASSWORD"
@@ -56,7 +63,7 @@ def image_id(node: Node, image: str) -> str | None:
 
 
 def image_label(node: Node, image: str, label: str) -> str | None:
-    fmt = "{{ index .Config.Labels %s }}" % f'"{label}"'
+    fmt = "{{ index .Config.Labels " + f'"{label}"' + " }}"
     result = _docker(node, ["image", "inspect", "--format", fmt, image], check=False)
     value = result.stdout.strip()
     return value if result.rc == 0 and value not in ("", "<no value>") else None
@@ -115,7 +122,7 @@ def source_tree() -> Path:
     return Path(__file__).resolve().parents[2]  # provision/flows/image.py -> the source tree
 
 
-def build_context(cfg) -> tuple[Path, str]:
+def build_context(cfg: GpuctlConfig) -> tuple[Path, str]:
     """(context folder, Dockerfile path relative to it) from config `docker`."""
     context = Path(cfg.docker.context).expanduser() if cfg.docker.context else source_tree()
     if not context.is_absolute():
@@ -128,13 +135,15 @@ def build_context(cfg) -> tuple[Path, str]:
     return context, cfg.docker.dockerfile
 
 
-def image_name(cfg, cluster=None) -> str:
+def image_name(cfg: GpuctlConfig, cluster: ClusterRecord | None = None) -> str:
     if cluster is not None and cluster.image:
         return cluster.image
-    return getattr(cfg.provider, "image", None) or DEFAULT_IMAGE
+    prov = cfg.provider
+    configured = prov.image if isinstance(prov, (SSHProvider, CloudProvider)) else None
+    return configured or DEFAULT_IMAGE
 
 
-def build(cfg, image: str, *, push: bool = False, say: Say = print) -> str:
+def build(cfg: GpuctlConfig, image: str, *, push: bool = False, say: Say = print) -> str:
     """`docker build` here with the context as is; optionally push. Returns the image ID."""
     context, dockerfile = build_context(cfg)
     try:
@@ -184,6 +193,7 @@ def _run_here(argv: list[str], say: Say) -> None:
         )
     except FileNotFoundError:
         raise GpuctlError("docker is not installed here", "install Docker (apt-get install docker.io)") from None
+    assert proc.stdout is not None  # stdout=PIPE
     tail: list[str] = []
     for line in proc.stdout:
         say(line.rstrip("\n"))
@@ -195,7 +205,9 @@ def _run_here(argv: list[str], say: Say) -> None:
 # --- shipping -------------------------------------------------------------------------------
 
 
-def ship(node: Node, image: str, how: str, *, cfg=None, say: Say = print, progress: bool = True) -> ShipResult:
+def ship(
+    node: Node, image: str, how: str, *, cfg: GpuctlConfig | None = None, say: Say = print, progress: bool = True
+) -> ShipResult:
     """Make node have image; skip when it already has the same one. See the module docstring."""
     started = time.monotonic()
     local_id = _local_id(image, required=how == "load") if how in ("auto", "load") else None
@@ -249,7 +261,11 @@ def _local_id(image: str, *, required: bool) -> str | None:
 
 
 def ship_cluster(
-    cfg, cluster, say: Say = print, nodes: list[Node] | None = None, how: str | None = None
+    cfg: GpuctlConfig,
+    cluster: ClusterRecord,
+    say: Say = print,
+    nodes: list[Node] | None = None,
+    how: str | None = None,
 ) -> list[ShipResult]:
     """Ship the cluster's image to every node (no-op unless its runtime is docker)."""
     if cluster.runtime != "docker":
@@ -257,7 +273,8 @@ def ship_cluster(
     from provision.providers import backend
 
     own = nodes is None
-    nodes = backend(cluster.provider).nodes(cluster) if own else nodes
+    if nodes is None:
+        nodes = backend(cluster.provider).nodes(cluster)
     try:
         return [ship(node, image_name(cfg, cluster), how or cfg.docker.ship, cfg=cfg, say=say) for node in nodes]
     finally:
@@ -266,7 +283,7 @@ def ship_cluster(
                 node.close()
 
 
-def _progress(total: int | None, what: str):
+def _progress(total: int | None, what: str) -> tuple[Progress, TaskID]:
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
@@ -286,19 +303,22 @@ def _stream(
 ) -> tuple[int, str]:
     sent = 0
 
+    shown = _progress(total, what) if progress else None
+
     def count(n: int) -> None:
         nonlocal sent
         sent += n
-        if bar is not None:
+        if shown is not None:
+            bar, task = shown
             bar.update(task, completed=sent)
 
-    bar, task = _progress(total, what) if progress else (None, None)
-    if bar is not None:
-        bar.start()
+    if shown is not None:
+        shown[0].start()
     try:
         result = pipe_into(node, argv, chunks, on_bytes=count)
     finally:
-        if bar is not None:
+        if shown is not None:
+            bar, task = shown
             bar.update(task, total=sent, completed=sent)
             bar.stop()
     return sent, result.stdout
@@ -308,9 +328,11 @@ def _load(node: Node, image: str, say: Say, progress: bool) -> int:
     size = _docker(LocalNode(), ["image", "inspect", "--format", "{{.Size}}", image]).stdout.strip()
     say(f"{node.label}: sending {image} (docker save | docker load)")
     proc = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    stdout, stderr = proc.stdout, proc.stderr
+    assert stdout is not None and stderr is not None  # both PIPE
 
     def chunks() -> Iterator[bytes]:
-        while data := proc.stdout.read(CHUNK):
+        while data := stdout.read(CHUNK):
             yield data
 
     try:
@@ -323,15 +345,15 @@ def _load(node: Node, image: str, say: Say, progress: bool) -> int:
             progress,
         )
     finally:
-        proc.stdout.close()
-        err = proc.stderr.read().decode(errors="replace")
+        stdout.close()
+        err = stderr.read().decode(errors="replace")
         rc = proc.wait()
     if rc != 0:
         raise GpuctlError(f"docker save {image} failed: {err.strip()[-300:]}")
     return sent
 
 
-def _build_on(node: Node, image: str, cfg, say: Say, progress: bool, started: float) -> ShipResult:
+def _build_on(node: Node, image: str, cfg: GpuctlConfig, say: Say, progress: bool, started: float) -> ShipResult:
     context, dockerfile = build_context(cfg)
     with tempfile.TemporaryFile() as tar:
         digest = context_tar(context, dockerfile, tar)
@@ -349,10 +371,13 @@ def _build_on(node: Node, image: str, cfg, say: Say, progress: bool, started: fl
 # --- the build context ----------------------------------------------------------------------
 
 
-def _ignore_rules(context: Path) -> list[tuple[re.Pattern, int, bool, str]]:
+_IgnoreRule = tuple[re.Pattern[str], int, bool, str]
+
+
+def _ignore_rules(context: Path) -> list[_IgnoreRule]:
     """.dockerignore -> (regex, path components, negated, literal prefix), in file order."""
     path = context / ".dockerignore"
-    rules = []
+    rules: list[_IgnoreRule] = []
     for raw in path.read_text().splitlines() if path.is_file() else []:
         line = raw.strip()
         if not line or line.startswith("#"):
@@ -376,7 +401,7 @@ def _ignore_rules(context: Path) -> list[tuple[re.Pattern, int, bool, str]]:
     return rules
 
 
-def _ignored(rel: str, rules) -> bool:
+def _ignored(rel: str, rules: list[_IgnoreRule]) -> bool:
     """Docker's rule: the last pattern matching the path, or one of its parent folders, wins."""
     parts = rel.split("/")
     verdict = False
@@ -405,7 +430,7 @@ def context_files(context: Path, dockerfile: str) -> list[str]:
     return sorted(found)
 
 
-def context_tar(context: Path, dockerfile: str, out) -> str:
+def context_tar(context: Path, dockerfile: str, out: IO[bytes]) -> str:
     """Write the build context as a tar to `out`; return a digest of its contents and modes."""
     digest = hashlib.sha256()
     with tarfile.open(fileobj=out, mode="w") as tar:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from provision.core import state
 from provision.core.config import GpuctlConfig, check_batch
@@ -21,6 +22,7 @@ from provision.core.errors import ConfigError, GpuctlError, NotFoundError, Remot
 from provision.flows.render import BundleNode, BundleSpec, render_bundle
 from provision.providers import backend
 from provision.transport.remote import Node
+from trainer.objstore.atomic import atomic_write
 
 TERMINAL = ("succeeded", "failed", "cancelled", "lost")
 POLL_S = 0.5
@@ -36,10 +38,12 @@ def run_dir_of(workdir: str, run_id: str) -> str:
 
 def budget_left_s(cluster: state.ClusterRecord) -> int:
     """Seconds until the cluster's budget cap (max_hours, max_cost at its price) is spent."""
-    left = cluster.created_at + cluster.budget_hours * 3600 - time.time()
+    hours = cluster.budget_hours
+    assert hours is not None  # callers ask only for a cluster that has a cap
+    left = cluster.created_at + hours * 3600 - time.time()
     if left < 1:
         raise GpuctlError(
-            f"cluster {cluster.name} has spent its budget cap ({cluster.budget_hours:.2f} h)",
+            f"cluster {cluster.name} has spent its budget cap ({hours:.2f} h)",
             "`gpuctl down`, or raise provider.max_hours / max_cost and `gpuctl up` again",
         )
     return int(left)
@@ -112,7 +116,7 @@ def start_run(
             from provision.flows.image import ship_cluster
 
             ship_cluster(cfg, cluster, say, nodes)
-        for node, rec in zip(nodes, cluster.nodes):
+        for node, rec in zip(nodes, cluster.nodes, strict=True):
             node.put_dir(bundle, run_dir_of(rec.workdir, run_id))
         pgid = nodes[0].start_detached(spec.run_dir, "launch.sh", "job.log")
     finally:
@@ -194,11 +198,11 @@ class RunStatus:
     record: state.RunRecord
     state: str
     exit_code: int | None
-    status: dict
-    summary: dict
-    last_metrics: dict
+    status: dict[str, Any]
+    summary: dict[str, Any]
+    last_metrics: dict[str, Any]
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "run_id": self.record.run_id,
             "cluster": self.record.cluster,
@@ -216,11 +220,12 @@ class RunStatus:
         }
 
 
-def _json_or_empty(text: str | None) -> dict:
+def _json_or_empty(text: str | None) -> dict[str, Any]:
     try:
-        return json.loads(text) if text else {}
+        value = json.loads(text) if text else {}
     except json.JSONDecodeError:
         return {}
+    return value if isinstance(value, dict) else {}  # a JSON list or number is no record either
 
 
 def node_of(run: state.RunRecord) -> Node:
@@ -333,7 +338,7 @@ def fetch_results(run: state.RunRecord) -> Path:
         for name in RESULT_FILES:
             text = node.read_text(f"{run.run_dir}/{name}")
             if text is not None:
-                state.write_atomic(results / name, text)
+                atomic_write(results / name, text)
     finally:
         node.close()
     return results

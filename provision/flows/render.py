@@ -14,12 +14,13 @@ import shlex
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import jinja2
 
 from provision.core.config import GpuctlConfig, check_batch
 from provision.core.errors import ConfigError
-from provision.core.state import write_atomic
+from trainer.objstore.atomic import atomic_write
 
 TEMPLATES = {
     "hostfile": "hostfile.j2",
@@ -134,7 +135,7 @@ def launcher_argv(spec: BundleSpec) -> list[str]:
     return argv
 
 
-def run_json(cfg: GpuctlConfig, spec: BundleSpec, data_rel: str) -> dict:
+def run_json(cfg: GpuctlConfig, spec: BundleSpec, data_rel: str) -> dict[str, Any]:
     train = cfg.train.model_dump(exclude={"train_batch_size"})
     train["data"] = data_rel
     return {
@@ -185,14 +186,14 @@ def render_bundle(cfg: GpuctlConfig, spec: BundleSpec, out_dir: Path) -> Path:
         except jinja2.TemplateError as exc:
             raise ConfigError(f"template {template}: {exc}", "fix or remove your override in templates/") from None
         mode = 0o755 if name.endswith(".sh") else 0o600 if name.startswith(".") else 0o644
-        write_atomic(out_dir / name, text, mode)
+        atomic_write(out_dir / name, text, mode)
     json.loads((out_dir / "ds_config.json").read_text())  # a broken override fails here, not on the node
-    write_atomic(out_dir / "run.json", json.dumps(run_json(cfg, spec, data_rel), indent=2) + "\n")
+    atomic_write(out_dir / "run.json", json.dumps(run_json(cfg, spec, data_rel), indent=2) + "\n")
     if spec.secrets:
         lines = "".join(f"{k}={shlex.quote(v)}\n" for k, v in spec.secrets.items())
-        write_atomic(out_dir / "secrets.env", lines, 0o600)
+        atomic_write(out_dir / "secrets.env", lines, 0o600)
         if len(spec.nodes) > 1:
-            write_atomic(out_dir / NODE_ENV, _node_env_script(spec.run_dir), 0o644)
+            atomic_write(out_dir / NODE_ENV, _node_env_script(spec.run_dir), 0o644)
     _ship_trainer(out_dir / "lib" / "trainer")
     return out_dir
 

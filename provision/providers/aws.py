@@ -24,8 +24,9 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any, TypeVar
 
-from provision.core.config import AWSProvider
+from provision.core.config import AWSProvider, CloudProvider
 from provision.core.errors import AuthError, ConfigError, NoOfferError, ProviderError
 from provision.core.state import ClusterRecord
 from provision.providers.base import Offer, SelfTeardown
@@ -64,9 +65,11 @@ CAPACITY_CODES = {
 }
 ACTIVE_STATES = ["pending", "running", "stopping", "stopped", "shutting-down"]
 FAILED = ("shutting-down", "terminated", "stopping", "stopped")
+_T = TypeVar("_T")
 
 
-def ec2(region: str | None, endpoint_url: str | None):
+def ec2(region: str | None, endpoint_url: str | None) -> Any:
+    """A boto3 EC2 client (boto3 ships no type information: Any)."""
     import boto3
     from botocore.config import Config
 
@@ -105,10 +108,11 @@ def aws_errors(what: str) -> Iterator[None]:
 
 
 def _client_error_code(exc: BaseException) -> str:
-    return getattr(exc, "response", {}).get("Error", {}).get("Code", "")
+    code: str = getattr(exc, "response", {}).get("Error", {}).get("Code", "")
+    return code
 
 
-def ignoring(codes: set[str], call: Callable, **kwargs):
+def ignoring(codes: set[str], call: Callable[..., _T], **kwargs: Any) -> _T | None:
     """call(**kwargs), with an AWS error whose code is in `codes` answered as None."""
     from botocore.exceptions import ClientError
 
@@ -132,7 +136,7 @@ def caller_cidr() -> str:
     return f"{ip}/32"
 
 
-def _tags(cluster: str, extra: dict | None = None) -> list[dict]:
+def _tags(cluster: str, extra: dict[str, str] | None = None) -> list[dict[str, str]]:
     tags = {TAG: cluster, "Name": f"gpuctl-{cluster}", **(extra or {})}
     return [{"Key": k, "Value": v} for k, v in tags.items()]
 
@@ -140,16 +144,18 @@ def _tags(cluster: str, extra: dict | None = None) -> list[dict]:
 class AWSBackend(CloudBackend):
     kind = "aws"
 
-    def client(self, cluster: ClusterRecord):
+    def client(self, cluster: ClusterRecord) -> Any:
         return ec2(cluster.region, cluster.api_url)
 
-    def filters_text(self, prov: AWSProvider) -> str:
+    def filters_text(self, prov: CloudProvider) -> str:
+        assert isinstance(prov, AWSProvider)
         return (
             f"(instance_type={prov.instance_type} in {prov.region}, >= {prov.gpus_per_node} x {prov.gpu}, "
             f"memory>={prov.min_ram_gb:g} GB" + (f", price<=${prov.max_price}/h" if prov.max_price else "") + ")"
         )
 
-    def find_offers(self, prov: AWSProvider) -> list[Offer]:
+    def find_offers(self, prov: CloudProvider) -> list[Offer]:
+        assert isinstance(prov, AWSProvider)
         client = ec2(prov.region, prov.api_url)
         with aws_errors(f"describe instance type {prov.instance_type}"):
             offered = client.describe_instance_type_offerings(
@@ -183,7 +189,8 @@ class AWSBackend(CloudBackend):
             )
         ]
 
-    def prepare(self, prov: AWSProvider, cluster: ClusterRecord, public_key: str) -> None:
+    def prepare(self, prov: CloudProvider, cluster: ClusterRecord, public_key: str) -> None:
+        assert isinstance(prov, AWSProvider)
         client = self.client(cluster)
         cidr = prov.ssh_cidr or caller_cidr()
         name = f"gpuctl-{cluster.name}"
@@ -216,7 +223,7 @@ class AWSBackend(CloudBackend):
                 ],
             )
 
-    def _ami(self, client, prov: AWSProvider) -> tuple[str, str]:
+    def _ami(self, client: Any, prov: AWSProvider) -> tuple[str, str]:
         """(image id, root device name): ami_id, else the newest image named ami_name."""
         with aws_errors(f"look up the AMI {prov.ami_id or prov.ami_name!r}"):
             if prov.ami_id:
@@ -234,7 +241,8 @@ class AWSBackend(CloudBackend):
         newest = max(images, key=lambda i: (i.get("CreationDate", ""), i.get("Name", "")))  # names carry dates
         return newest["ImageId"], newest.get("RootDeviceName") or "/dev/sda1"
 
-    def launch(self, prov: AWSProvider, cluster: ClusterRecord, label: str, offer: Offer, public_key: str) -> str:
+    def launch(self, prov: CloudProvider, cluster: ClusterRecord, label: str, offer: Offer, public_key: str) -> str:
+        assert isinstance(prov, AWSProvider)
         client = self.client(cluster)
         image_id, root = self._ami(client, prov)
         name = f"gpuctl-{cluster.name}"
@@ -259,7 +267,8 @@ class AWSBackend(CloudBackend):
         if prov.key_name:  # the user's pair logs in too; gpuctl's own key comes by cloud-init
             args["UserData"] = f"#cloud-config\nssh_authorized_keys:\n  - {public_key}\n"
         with aws_errors(f"run a {offer.id} instance"):
-            return client.run_instances(**args)["Instances"][0]["InstanceId"]
+            instance_id: str = client.run_instances(**args)["Instances"][0]["InstanceId"]
+        return instance_id
 
     def describe(self, cluster: ClusterRecord, instance_id: str) -> Instance | None:
         with aws_errors(f"describe instance {instance_id}"):
@@ -269,7 +278,7 @@ class AWSBackend(CloudBackend):
         raws = [i for r in (found or {}).get("Reservations", []) for i in r["Instances"]]
         return self._instance(raws[0]) if raws else None
 
-    def _instance(self, raw: dict) -> Instance:
+    def _instance(self, raw: dict[str, Any]) -> Instance:
         status = raw["State"]["Name"]
         tags = {t["Key"]: t["Value"] for t in raw.get("Tags") or []}
         address, port = raw.get("PublicIpAddress"), 22
@@ -339,12 +348,12 @@ class AWSBackend(CloudBackend):
         return SelfTeardown(argv=["bash", "-c", script, "gpuctl", *others])
 
     @staticmethod
-    def _group_id(client, name: str) -> str | None:
+    def _group_id(client: Any, name: str) -> str | None:
         groups = client.describe_security_groups(Filters=[{"Name": "group-name", "Values": [name]}])
         return groups["SecurityGroups"][0]["GroupId"] if groups["SecurityGroups"] else None
 
     @staticmethod
-    def _delete_key_pair(client, name: str) -> None:
+    def _delete_key_pair(client: Any, name: str) -> None:
         ignoring({"InvalidKeyPair.NotFound"}, client.delete_key_pair, KeyName=name)
 
 

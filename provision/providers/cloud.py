@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from provision.core import state
-from provision.core.config import CloudProvider, check_batch
+from provision.core.config import CloudProvider, GpuctlConfig, check_batch
 from provision.core.errors import GpuctlError, NoOfferError, ProviderError
 from provision.core.state import ClusterRecord, NodeRecord
 from provision.providers.base import (
@@ -156,8 +156,9 @@ class CloudBackend(ProviderBackend):
         """Remove what prepare() made, once the instances are gone."""
 
     # the ProviderBackend interface -------------------------------------------------------------
-    def up(self, cfg, opts: UpOptions) -> ClusterRecord | None:
+    def up(self, cfg: GpuctlConfig, opts: UpOptions) -> ClusterRecord | None:
         prov = cfg.provider
+        assert isinstance(prov, CloudProvider)  # backend(kind) picked this backend for it
         offers = self.find_offers(prov)
         if not offers:
             raise NoOfferError(
@@ -262,8 +263,9 @@ class CloudBackend(ProviderBackend):
         self, prov: CloudProvider, cluster: ClusterRecord, node: NodeRecord, deadline: float, say: Callable[[str], None]
     ) -> None:
         """Vendor says running with an address -> SSH banner -> a command runs -> probe GPUs."""
-        from provision.transport.ssh.node import ConnectError, wait_for_ssh
+        from provision.transport.ssh.connect import ConnectError, wait_for_ssh
 
+        assert node.instance_id is not None  # up() records every node with its instance id
         seen = None
         while True:
             inst = self.describe(cluster, node.instance_id)

@@ -14,6 +14,7 @@ import json
 import os
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,9 @@ def redact(text: str, secret: str | None) -> str:
     return text
 
 
-def load_key(vendor: str, env_var: str, files: list[Path], parse=lambda text: text.strip()) -> tuple[str, str]:
+def load_key(
+    vendor: str, env_var: str, files: list[Path], parse: Callable[[str], str] = lambda text: text.strip()
+) -> tuple[str, str]:
     """The API key and where it came from (for messages). Raises AuthError when there is none."""
     if os.environ.get(env_var, "").strip():
         return os.environ[env_var].strip(), f"${env_var}"

@@ -35,7 +35,12 @@ def visible_gpus() -> list[str]:
 
 
 def node_python(prov: LocalProvider) -> str:
-    return shutil.which(prov.python) if prov.python else sys.executable
+    if not prov.python:
+        return sys.executable
+    found = shutil.which(prov.python)
+    if found is None:  # load_config checks this too; the interpreter may have gone since
+        raise ConfigError(f"provider.python: {prov.python} not found", "give a python with torch")
+    return found
 
 
 class LocalBackend(ProviderBackend):

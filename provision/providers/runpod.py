@@ -20,8 +20,9 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
-from provision.core.config import RunPodProvider
+from provision.core.config import CloudProvider, RunPodProvider
 from provision.core.errors import NoOfferError, ProviderError
 from provision.core.state import ClusterRecord
 from provision.providers.base import Offer, SelfTeardown
@@ -65,7 +66,9 @@ def api(api_url: str | None) -> JsonApi:
     return JsonApi("RunPod", api_url or API_URL, key, source)
 
 
-def gql(client: JsonApi, query: str, variables: dict | None = None, *, idempotent: bool = True) -> dict:
+def gql(
+    client: JsonApi, query: str, variables: dict[str, Any] | None = None, *, idempotent: bool = True
+) -> dict[str, Any]:
     answer = client.request("POST", "", {"query": query, "variables": variables or {}}, idempotent=idempotent) or {}
     errors = answer.get("errors") if isinstance(answer, dict) else None
     if errors:
@@ -79,7 +82,7 @@ def gql(client: JsonApi, query: str, variables: dict | None = None, *, idempoten
     return answer.get("data") or {}
 
 
-def _instance(raw: dict) -> Instance:
+def _instance(raw: dict[str, Any]) -> Instance:
     status = raw.get("desiredStatus") or "PROVISIONING"
     ports = ((raw.get("runtime") or {}).get("ports")) or []
     ssh = next(
@@ -106,7 +109,8 @@ def _instance(raw: dict) -> Instance:
 class RunPodBackend(CloudBackend):
     kind = "runpod"
 
-    def filters_text(self, prov: RunPodProvider) -> str:
+    def filters_text(self, prov: CloudProvider) -> str:
+        assert isinstance(prov, RunPodProvider)
         parts = [
             f"gpuTypeId={prov.gpu}",
             f"gpuCount={prov.gpus_per_node}",
@@ -117,7 +121,8 @@ class RunPodBackend(CloudBackend):
         ]
         return "(" + ", ".join(p for p in parts if p) + ")"
 
-    def find_offers(self, prov: RunPodProvider) -> list[Offer]:
+    def find_offers(self, prov: CloudProvider) -> list[Offer]:
+        assert isinstance(prov, RunPodProvider)
         base = {"gpuCount": prov.gpus_per_node, "minMemoryInGb": int(prov.min_ram_gb)}
         data = gql(
             api(prov.api_url),
@@ -153,7 +158,8 @@ class RunPodBackend(CloudBackend):
                 )
         return sorted(offers, key=lambda o: o.price_per_hour)
 
-    def launch(self, prov: RunPodProvider, cluster: ClusterRecord, label: str, offer: Offer, public_key: str) -> str:
+    def launch(self, prov: CloudProvider, cluster: ClusterRecord, label: str, offer: Offer, public_key: str) -> str:
+        assert isinstance(prov, RunPodProvider)
         pod = {
             "name": label,
             "imageName": prov.image,

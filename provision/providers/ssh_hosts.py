@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tenacity import Retrying, retry_if_exception, stop_before_delay, wait_exponential
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_before_delay, wait_exponential
 
 from provision.core import state
 from provision.core.config import GpuctlConfig, SSHProvider
@@ -25,7 +25,8 @@ from provision.core.errors import ConfigError, RemoteError
 from provision.providers.base import ProviderBackend, SelfTeardown, UpOptions
 from provision.transport.remote import Node
 from provision.transport.ssh import mesh
-from provision.transport.ssh.node import ConnectError, SSHNode, parse_host_spec
+from provision.transport.ssh.connect import ConnectError
+from provision.transport.ssh.node import SSHNode, parse_host_spec
 
 NODE_MODULES = ("torch", "deepspeed", "transformers")
 LOW_DISK_GB = 20
@@ -124,7 +125,7 @@ def targets(prov: SSHProvider) -> list[Target]:
 
 def identity_path(cfg: GpuctlConfig) -> str | None:
     prov = cfg.provider
-    if not prov.identity_file:
+    if not isinstance(prov, SSHProvider) or not prov.identity_file:
         return None
     path = Path(prov.identity_file).expanduser()
     return str(path if path.is_absolute() else (Path.cwd() / path).resolve())
@@ -149,9 +150,10 @@ def probe(
         target.address, target.port, target.user, identity, connect_timeout=prov.connect_timeout, pin_new=True
     )
 
-    def note(retry_state) -> None:
-        exc = retry_state.outcome.exception()
-        say(f"{target.where}: not ready ({exc.message.split(': ', 1)[-1]}); retrying")
+    def note(retry_state: RetryCallState) -> None:
+        exc = retry_state.outcome.exception() if retry_state.outcome else None
+        message = exc.message if isinstance(exc, ConnectError) else str(exc)  # only ConnectErrors are retried
+        say(f"{target.where}: not ready ({message.split(': ', 1)[-1]}); retrying")
 
     retrying = Retrying(
         retry=retry_if_exception(lambda e: isinstance(e, ConnectError) and e.transient),
@@ -215,7 +217,7 @@ class SSHBackend(ProviderBackend):
         workdir = self._workdir(prov, nodes, facts)
         names = hostfile_names(found)
         records = []
-        for t, fact, name in zip(found, facts, names):
+        for t, fact, name in zip(found, facts, names, strict=True):
             slots, accel, gpu = slots_for(prov, fact, t.where)
             records.append(
                 state.NodeRecord(
@@ -261,7 +263,7 @@ class SSHBackend(ProviderBackend):
             ready = all(f.has_modules for f in facts)
             mode = "docker" if not ready and prov.image and all(f.runtime for f in facts) else "none"
         if mode == "docker":
-            lacking = [t.where for t, f in zip(found, facts) if not f.runtime]
+            lacking = [t.where for t, f in zip(found, facts, strict=True) if not f.runtime]
             if lacking:
                 raise ConfigError(
                     f"provider.runtime is docker but {lacking[0]} has no docker/podman",
@@ -273,7 +275,7 @@ class SSHBackend(ProviderBackend):
                     "set provider.image to the trainer image",
                 )
             return "docker"
-        for t, f in zip(found, facts):
+        for t, f in zip(found, facts, strict=True):
             if f.python is None and not prov.setup:
                 raise ConfigError(
                     f"{t.where}: {prov.python} not found on the node",
@@ -328,7 +330,7 @@ class SSHBackend(ProviderBackend):
                     "apt-get install -y pdsh openssh-client on the first node",
                 )
         if runtime == "none":
-            for t, f in zip(found[1:], facts[1:]):
+            for t, f in zip(found[1:], facts[1:], strict=True):
                 if f.python and first.python and f.python != first.python:
                     raise ConfigError(
                         f"python is {first.python} on {found[0].where} but {f.python} on {t.where}; "

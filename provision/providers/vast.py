@@ -17,8 +17,9 @@ Auth: `Authorization: Bearer KEY`, key from $VAST_API_KEY or ~/.vast_api_key
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from provision.core.config import VastProvider
+from provision.core.config import CloudProvider, VastProvider
 from provision.core.errors import ProviderError
 from provision.core.state import ClusterRecord
 from provision.providers.base import Offer, SelfTeardown
@@ -39,8 +40,8 @@ def api(api_url: str | None) -> JsonApi:
     return JsonApi("Vast.ai", api_url or API_URL, key, source)
 
 
-def search_query(prov: VastProvider) -> dict:
-    query: dict = {
+def search_query(prov: VastProvider) -> dict[str, Any]:
+    query: dict[str, Any] = {
         "gpu_name": {"eq": prov.gpu},
         "num_gpus": {"eq": prov.gpus_per_node},
         "rentable": {"eq": True},
@@ -61,7 +62,7 @@ def search_query(prov: VastProvider) -> dict:
     return query
 
 
-def _offer(raw: dict) -> Offer:
+def _offer(raw: dict[str, Any]) -> Offer:
     return Offer(
         id=str(raw["id"]),
         gpu_name=raw.get("gpu_name", "?"),
@@ -74,7 +75,7 @@ def _offer(raw: dict) -> Offer:
     )
 
 
-def _instance(raw: dict) -> Instance:
+def _instance(raw: dict[str, Any]) -> Instance:
     status = raw.get("actual_status") or "provisioning"
     address, port = None, 22
     mapped = (raw.get("ports") or {}).get("22/tcp") if isinstance(raw.get("ports"), dict) else None
@@ -97,7 +98,8 @@ def _instance(raw: dict) -> Instance:
 class VastBackend(CloudBackend):
     kind = "vast"
 
-    def filters_text(self, prov: VastProvider) -> str:
+    def filters_text(self, prov: CloudProvider) -> str:
+        assert isinstance(prov, VastProvider)
         parts = [
             f"gpu_name={prov.gpu}",
             f"num_gpus={prov.gpus_per_node}",
@@ -110,7 +112,8 @@ class VastBackend(CloudBackend):
         ]
         return "(" + ", ".join(p for p in parts if p) + ")"
 
-    def find_offers(self, prov: VastProvider) -> list[Offer]:
+    def find_offers(self, prov: CloudProvider) -> list[Offer]:
+        assert isinstance(prov, VastProvider)
         answer = api(prov.api_url).request("POST", "/bundles/", search_query(prov)) or {}
         offers = [_offer(o) for o in answer.get("offers") or []]
         return sorted(offers, key=lambda o: o.price_per_hour)
@@ -124,7 +127,8 @@ class VastBackend(CloudBackend):
             )
         return offers[:nodes]
 
-    def launch(self, prov: VastProvider, cluster: ClusterRecord, label: str, offer: Offer, public_key: str) -> str:
+    def launch(self, prov: CloudProvider, cluster: ClusterRecord, label: str, offer: Offer, public_key: str) -> str:
+        assert isinstance(prov, VastProvider)
         client = api(cluster.api_url)
         body = {
             "image": prov.image,

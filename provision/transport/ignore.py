@@ -19,7 +19,7 @@ IGNORE_FILES = (".gitignore", ".gpuctlignore")
 
 @dataclass
 class IgnoreRule:
-    regex: re.Pattern
+    regex: re.Pattern[str]
     negate: bool
     dir_only: bool
 
@@ -111,7 +111,7 @@ def walk_shipped(root: Path) -> Iterator[tuple[str, Path, str]]:
                 verdict = not rule.negate
         return verdict
 
-    def walk(folder: Path, prefix: str, rules: list) -> Iterator[tuple[str, Path, str]]:
+    def walk(folder: Path, prefix: str, rules: list[tuple[str, IgnoreRule]]) -> Iterator[tuple[str, Path, str]]:
         rules = rules + rules_in(folder, prefix)
         for entry in sorted(os.scandir(folder), key=lambda e: e.name):
             rel = f"{prefix}/{entry.name}" if prefix else entry.name

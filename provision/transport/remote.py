@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from provision.core.errors import RemoteError
 
@@ -34,7 +35,7 @@ class CommandResult:
 
 
 class Node:
-    """Shell-level helpers shared by every transport. Subclasses provide run and put_dir."""
+    """Shell-level helpers shared by every transport. Subclasses provide _execute and put_dir."""
 
     label = "node"
 
@@ -46,6 +47,16 @@ class Node:
         timeout: float | None = None,
         stream: LineSink | None = None,
         stdin: bytes | None = None,
+    ) -> CommandResult:
+        """Run argv on the node; stream gets stdout lines as they come; check: non-zero exit raises."""
+        result = self._execute(argv, timeout, stream, stdin)
+        if check and result.rc != 0:
+            detail = (result.stderr.strip() or result.stdout.strip())[-300:]
+            raise RemoteError(f"{self.label}: {argv[0] if argv else '?'} exited {result.rc}: {detail}")
+        return result
+
+    def _execute(
+        self, argv: list[str], timeout: float | None, stream: LineSink | None, stdin: bytes | None
     ) -> CommandResult:
         raise NotImplementedError
 
@@ -97,7 +108,7 @@ class Node:
         return self.sh('printf %s "$HOME"', timeout=30).stdout
 
 
-def _pump(pipe, sink: LineSink | None, into: list[str]) -> None:
+def _pump(pipe: IO[str], sink: LineSink | None, into: list[str]) -> None:
     for line in iter(pipe.readline, ""):
         into.append(line)
         if sink:
@@ -110,14 +121,8 @@ class LocalNode(Node):
 
     label = "localhost"
 
-    def run(
-        self,
-        argv: list[str],
-        *,
-        check: bool = True,
-        timeout: float | None = None,
-        stream: LineSink | None = None,
-        stdin: bytes | None = None,
+    def _execute(
+        self, argv: list[str], timeout: float | None, stream: LineSink | None, stdin: bytes | None
     ) -> CommandResult:
         proc = subprocess.Popen(
             argv,
@@ -135,6 +140,7 @@ class LocalNode(Node):
         for pump in pumps:
             pump.start()
         if stdin is not None:
+            assert proc.stdin is not None  # stdin=PIPE
             proc.stdin.write(stdin.decode())
             proc.stdin.close()
         try:
@@ -144,10 +150,7 @@ class LocalNode(Node):
             raise RemoteError(f"localhost: {shlex.join(argv)[:120]} timed out after {timeout}s") from None
         for pump in pumps:
             pump.join()
-        result = CommandResult(rc, "".join(out), "".join(err))
-        if check and rc != 0:
-            raise RemoteError(f"localhost: {argv[0]} exited {rc}: {result.stderr.strip()[-300:]}")
-        return result
+        return CommandResult(rc, "".join(out), "".join(err))
 
     def put_dir(self, local: Path, remote: str) -> None:
         shutil.copytree(local, remote, dirs_exist_ok=True, symlinks=True)

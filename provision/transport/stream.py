@@ -7,13 +7,18 @@ can stall. Works for LocalNode (a subprocess) and SSHNode (one paramiko channel)
 
 from __future__ import annotations
 
+import io
 import shlex
 import subprocess
 import threading
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from provision.core.errors import RemoteError
 from provision.transport.remote import CommandResult, LocalNode, Node
+
+if TYPE_CHECKING:
+    from provision.transport.ssh.node import SSHNode
 
 ByteSink = Callable[[int], None]
 
@@ -54,18 +59,21 @@ def _local(argv: list[str], chunks: Iterable[bytes], on_bytes: ByteSink | None) 
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     except OSError as exc:
         raise RemoteError(f"localhost: cannot run {argv[0]}: {exc.strerror}") from None
+    stdin, stdout, stderr = proc.stdin, proc.stdout, proc.stderr
+    # all three are PIPEs, buffered (bufsize -1): stdout and stderr are BufferedReaders
+    assert stdin is not None and isinstance(stdout, io.BufferedReader) and isinstance(stderr, io.BufferedReader)
     out, err = bytearray(), bytearray()
-    pumps = [_drain(lambda: proc.stdout.read1(65536), out), _drain(lambda: proc.stderr.read1(65536), err)]
+    pumps = [_drain(lambda: stdout.read1(65536), out), _drain(lambda: stderr.read1(65536), err)]
     try:
         for chunk in chunks:
-            proc.stdin.write(chunk)
+            stdin.write(chunk)
             if on_bytes:
                 on_bytes(len(chunk))
     except BrokenPipeError:
         pass  # the command stopped reading; its exit code and stderr say why
     finally:
         try:
-            proc.stdin.close()
+            stdin.close()
         except BrokenPipeError:
             pass
     rc = proc.wait()
@@ -74,7 +82,7 @@ def _local(argv: list[str], chunks: Iterable[bytes], on_bytes: ByteSink | None) 
     return CommandResult(rc, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
 
 
-def _ssh(node, argv: list[str], chunks: Iterable[bytes], on_bytes: ByteSink | None) -> CommandResult:
+def _ssh(node: SSHNode, argv: list[str], chunks: Iterable[bytes], on_bytes: ByteSink | None) -> CommandResult:
     import paramiko
 
     command = shlex.join(str(a) for a in argv)

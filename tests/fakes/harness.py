@@ -1,10 +1,10 @@
-"""Helpers for the cloud-provider tests: gpuctl as a subprocess, a project config for a fake
-cloud whose "instance" is the loopback test sshd, and a scan for leaked secrets."""
+"""Helpers for the cloud-provider tests: a project config for a fake cloud whose "instance" is the
+loopback test sshd, and a scan for leaked secrets (gpuctl as a subprocess: tests/helpers.py and
+the ``gpuctl`` fixture)."""
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -13,23 +13,7 @@ from pathlib import Path
 import yaml
 
 from tests.fakes.base import SshTarget
-
-REPO = Path(__file__).resolve().parents[2]
-GPUCTL = [sys.executable, "-m", "provision.cli"]
-
-
-def gpuctl(
-    *args: str, cwd: Path, env: dict | None = None, timeout: float = 600, input: str | None = None
-) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*GPUCTL, *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-        input=input,
-    )
+from tests.helpers import REPO
 
 
 def ssh_target(sshd) -> SshTarget:

@@ -11,6 +11,7 @@ Error messages name the bucket/endpoint and the fix, never credentials.
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import os
 import shutil
@@ -21,6 +22,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+from trainer.objstore.atomic import atomic_write
 
 ProgressFn = Callable[[int, int], None]
 
@@ -44,6 +47,10 @@ class StorageAuthError(StorageError):
 
 class StorageNotFound(StorageError):
     """The bucket (or a required object) does not exist."""
+
+
+class InvalidTag(StorageError, ValueError):
+    """A checkpoint tag that is not a plain name (it could address files outside its folder)."""
 
 
 class UploadError(StorageError):
@@ -103,21 +110,6 @@ class Progress:
             self.done = self.total
         if self._fn:
             self._fn(self.total, self.total)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temp file in the same directory and os.replace."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # --------------------------------------------------------------------------- hashing
@@ -191,7 +183,7 @@ class FileBackend:
             return None
 
     def write_bytes(self, key: str, data: bytes) -> None:
-        atomic_write_bytes(self._path(key), data)
+        atomic_write(self._path(key), data)
 
     def head_sha256(self, key: str) -> str | None:
         return None  # no object metadata on a plain directory: such files are copied again
@@ -216,11 +208,11 @@ class FileBackend:
             Path(tmp).unlink(missing_ok=True)
             raise
 
-    def upload_files(self, items: list[UploadItem], progress: Progress) -> None:
+    def upload_files(self, items: builtins.list[UploadItem], progress: Progress) -> None:
         for it in items:
             self._copy(it.local, self._path(it.key), progress)
 
-    def download_files(self, items: list[DownloadItem], progress: Progress) -> None:
+    def download_files(self, items: builtins.list[DownloadItem], progress: Progress) -> None:
         for it in items:
             src = self._path(it.key)
             if not src.is_file():

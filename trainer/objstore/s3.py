@@ -5,9 +5,11 @@ never credentials. boto3 is imported inside the class only (the laptop CLI start
 
 from __future__ import annotations
 
+import builtins
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from trainer.objstore.backends import (
     DownloadItem,
@@ -35,6 +37,8 @@ _AUTH_CODES = {
     "Unauthorized",
     "UnauthorizedAccess",
 }
+_T = TypeVar("_T")
+
 _THROTTLE_CODES = {
     "SlowDown",
     "Throttling",
@@ -73,19 +77,20 @@ class S3Backend:
         self.endpoint_url, self.region, self.profile = endpoint_url, region, profile
         self.options = options
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
-        self._client = None
-        self._tconfig = None
+        # boto3 ships no type information: the client and TransferConfig are Any.
+        self._client: Any = None
+        self._tconfig: Any = None
         self._client_lock = threading.Lock()
 
     # -- client (lazy: boto3 costs ~0.3 s to import) ---------------------------------
     @property
-    def client(self):
+    def client(self) -> Any:
         with self._client_lock:
             if self._client is None:
                 self._client, self._tconfig = self._make_client()
             return self._client
 
-    def _make_client(self):
+    def _make_client(self) -> tuple[Any, Any]:
         import boto3
         from boto3.s3.transfer import TransferConfig
         from botocore import exceptions as bx
@@ -167,7 +172,7 @@ class S3Backend:
             )
         return StorageError(f"S3 client error for {where} while {what} ({type(exc).__name__})")
 
-    def _call(self, what: str, fn, *args, **kwargs):
+    def _call(self, what: str, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         from botocore import exceptions as bx
 
         try:
@@ -201,7 +206,8 @@ class S3Backend:
 
         try:
             resp = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
-            return resp["Body"].read()
+            body: bytes = resp["Body"].read()
+            return body
         except bx.ClientError as exc:
             if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
                 return None
@@ -223,7 +229,8 @@ class S3Backend:
             raise self._error(exc, f"checking {key}") from exc
         except bx.BotoCoreError as exc:
             raise self._error(exc, f"checking {key}") from exc
-        return resp.get("Metadata", {}).get("sha256")
+        sha: str | None = resp.get("Metadata", {}).get("sha256")
+        return sha
 
     def delete(self, keys: Iterable[str]) -> None:
         keys = list(keys)
@@ -246,7 +253,7 @@ class S3Backend:
         self.delete(self.list(prefix.rstrip("/") + "/"))  # keys come back relative to the root
 
     # -- bulk transfers ---------------------------------------------------------------
-    def _run_transfers(self, submit, what: str) -> None:
+    def _run_transfers(self, submit: Callable[[Any], builtins.list[Any]], what: str) -> None:
         from boto3.s3.transfer import create_transfer_manager
         from botocore import exceptions as bx
         from s3transfer.exceptions import RetriesExceededError
@@ -272,14 +279,14 @@ class S3Backend:
         if first_exc is not None:
             raise self._error(first_exc, what) from first_exc
 
-    def upload_files(self, items: list[UploadItem], progress: Progress) -> None:
+    def upload_files(self, items: builtins.list[UploadItem], progress: Progress) -> None:
         if not items:
             return
         from boto3.s3.transfer import ProgressCallbackInvoker
 
         sub = [ProgressCallbackInvoker(progress.add)]
 
-        def submit(tm):
+        def submit(tm: Any) -> builtins.list[Any]:
             return [
                 tm.upload(
                     str(it.local),
@@ -293,14 +300,14 @@ class S3Backend:
 
         self._run_transfers(submit, f"uploading {len(items)} files")
 
-    def download_files(self, items: list[DownloadItem], progress: Progress) -> None:
+    def download_files(self, items: builtins.list[DownloadItem], progress: Progress) -> None:
         if not items:
             return
         from boto3.s3.transfer import ProgressCallbackInvoker
 
         sub = [ProgressCallbackInvoker(progress.add)]
 
-        def submit(tm):
+        def submit(tm: Any) -> builtins.list[Any]:
             for it in items:
                 it.dest.parent.mkdir(parents=True, exist_ok=True)
             return [tm.download(self.bucket, self._key(it.key), str(it.dest), subscribers=sub) for it in items]

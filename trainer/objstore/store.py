@@ -4,24 +4,7 @@ Used on the node (the trainer's background upload, resume) and on the laptop
 (``gpuctl ckpt ls/pull``), so it never imports torch, and boto3 only when an s3://
 store is first used.
 
-Layout under the store root (``s3://bucket/prefix`` or ``file:///abs/dir``)::
-
-    <root>/<tag>/<relative files>            DeepSpeed's save dir for that tag, e.g.
-                                             step20/mp_rank_00_model_states.pt
-    <root>/<tag>/_nodes/<node_rank>.json     written by each node after ALL of its files
-                                             of <tag> are uploaded:
-                                             {"format", "tag", "node_rank", "step", "time",
-                                              "files": {relpath: {"size", "sha256"}}}
-    <root>/<tag>/manifest.json               written by node 0 once every node's marker
-                                             is in: {"format", "tag", "step", "world_size",
-                                             "num_nodes", "time",
-                                             "files": {relpath: {"size", "sha256", "node"}}}
-    <root>/latest                            the newest complete tag, written LAST
-
-A checkpoint is complete iff its manifest.json exists; ``latest`` only ever names a
-complete checkpoint (it is written after the manifest, and a complete checkpoint is
-first un-published, manifest deleted, before it is changed). Every S3 object also
-carries its sha256 in user metadata (``x-amz-meta-sha256``).
+The layout of a store (tags, node markers, manifests, `latest`) is in layout.py.
 
 Upload is incremental: a local file whose (size, sha256) matches this node's marker
 and whose object is listed with that size is skipped, so a no-op sync costs one GET
@@ -36,17 +19,18 @@ Progress callbacks are ``progress(bytes_done, bytes_total)``.
 
 from __future__ import annotations
 
+import builtins
 import json
 import logging
 import os
-import re
 import shutil
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlparse
 
+from trainer.objstore.atomic import atomic_write
 from trainer.objstore.backends import (
     DownloadItem,
     FileBackend,
@@ -58,70 +42,25 @@ from trainer.objstore.backends import (
     UploadItem,
     VerificationError,
     _hash_many,
-    atomic_write_bytes,
     sha256_file,
+)
+from trainer.objstore.layout import (
+    FORMAT,
+    LATEST,
+    MANIFEST,
+    NODES_DIR,
+    TAG_RE,
+    CheckpointInfo,
+    FileEntry,
+    check_tag,
+    dumps,
+    local_files,
+    safe_relpath,
+    step_from_tag,
 )
 from trainer.objstore.s3 import S3Backend, S3Options
 
 _log = logging.getLogger("gpuctl.objstore")
-
-FORMAT = 1
-LATEST = "latest"
-MANIFEST = "manifest.json"
-NODES_DIR = "_nodes"
-_TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-_STEP_RE = re.compile(r"(\d+)$")
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    path: str  # relative to the tag dir, "/" separated
-    size: int
-    sha256: str  # "" where not known (incomplete checkpoints listed without markers)
-
-
-@dataclass
-class CheckpointInfo:
-    tag: str
-    step: int  # -1 if unknown (an incomplete checkpoint whose tag has no trailing number)
-    world_size: int  # 0 if unknown (incomplete)
-    num_nodes: int  # complete: from the manifest; incomplete: nodes whose marker is in
-    complete: bool
-    size: int  # bytes: manifest total, or what is stored so far
-    time: float  # epoch: manifest time, or the newest object's mtime
-    files: list[FileEntry] = field(default_factory=list)
-
-
-def _check_tag(tag: str) -> str:
-    if not _TAG_RE.match(tag) or tag in (LATEST, NODES_DIR):
-        raise ValueError(f"invalid checkpoint tag {tag!r}: use letters, digits, '.', '_', '-'")
-    return tag
-
-
-def _safe_relpath(rel: str) -> str:
-    """Reject manifest paths that would escape the destination directory."""
-    parts = rel.split("/")
-    if not rel or rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
-        raise VerificationError(f"unsafe path {rel!r} in manifest")
-    return rel
-
-
-def _step_from_tag(tag: str) -> int:
-    m = _STEP_RE.search(tag)
-    return int(m.group(1)) if m else -1
-
-
-def _local_files(tag_dir: Path) -> dict[str, Path]:
-    if not tag_dir.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {tag_dir} does not exist")
-    out = {}
-    for p in sorted(tag_dir.rglob("*")):
-        if p.is_file():
-            rel = p.relative_to(tag_dir).as_posix()
-            if rel == MANIFEST or rel.startswith(NODES_DIR + "/"):
-                raise ValueError(f"{p}: {rel!r} is reserved for checkpoint metadata")
-            out[rel] = p
-    return out
 
 
 # --------------------------------------------------------------------------- store
@@ -142,7 +81,7 @@ class CheckpointStore:
         self.url = backend.url
 
     @classmethod
-    def from_config(cls, storage: dict, log: Callable[[str], None] | None = None) -> CheckpointStore:
+    def from_config(cls, storage: Mapping[str, Any], log: Callable[[str], None] | None = None) -> CheckpointStore:
         """storage = {"url": "file:///abs" | "s3://bucket/prefix", "endpoint_url", "region",
         "profile", "keep": K}; optional "retry_deadline" (s, how long BackgroundUploader
         retries one checkpoint, default 3600) and S3 tuning keys named as S3Options' fields:
@@ -173,18 +112,21 @@ class CheckpointStore:
         raise ValueError(f"unsupported storage url {url!r}: use file:///abs/path or s3://bucket/prefix")
 
     # -- reading -----------------------------------------------------------------------
-    def _read_json(self, key: str) -> dict | None:
+    def _read_json(self, key: str) -> dict[str, Any] | None:
         data = self.backend.read_bytes(key)
         if data is None:
             return None
         try:
-            return json.loads(data)
+            obj = json.loads(data)
         except ValueError:
+            obj = None
+        if not isinstance(obj, dict):  # not JSON, or JSON that is not an object
             self.log(f"ignoring unreadable {self.url}/{key}")
             return None
+        return obj
 
     @staticmethod
-    def _info_from_manifest(m: dict) -> CheckpointInfo:
+    def _info_from_manifest(m: dict[str, Any]) -> CheckpointInfo:
         files = [FileEntry(p, int(f["size"]), f["sha256"]) for p, f in sorted(m["files"].items())]
         return CheckpointInfo(
             tag=m["tag"],
@@ -198,7 +140,8 @@ class CheckpointStore:
         )
 
     def _incomplete_info(self, tag: str, objs: dict[str, ObjectStat]) -> CheckpointInfo:
-        step, files, nodes = -1, {}, 0
+        step, nodes = -1, 0
+        files: dict[str, dict[str, Any]] = {}
         for key in sorted(k for k in objs if k.startswith(f"{tag}/{NODES_DIR}/")):
             marker = self._read_json(key)
             if marker:
@@ -214,7 +157,7 @@ class CheckpointStore:
         entries = [FileEntry(p, s.size, files.get(p, {}).get("sha256", "")) for p, s in sorted(data.items())]
         return CheckpointInfo(
             tag=tag,
-            step=step if step >= 0 else _step_from_tag(tag),
+            step=step if step >= 0 else step_from_tag(tag),
             world_size=0,
             num_nodes=nodes,
             complete=False,
@@ -223,7 +166,7 @@ class CheckpointStore:
             files=entries,
         )
 
-    def list(self) -> list[CheckpointInfo]:
+    def list(self) -> builtins.list[CheckpointInfo]:
         """All checkpoints, complete and incomplete, newest (highest step, then time) first."""
         objs = self.backend.list()
         by_tag: dict[str, dict[str, ObjectStat]] = {}
@@ -240,14 +183,14 @@ class CheckpointStore:
 
     def info(self, tag: str) -> CheckpointInfo | None:
         """The complete checkpoint ``tag`` (from its manifest), or None."""
-        manifest = self._read_json(f"{_check_tag(tag)}/{MANIFEST}")
+        manifest = self._read_json(f"{check_tag(tag)}/{MANIFEST}")
         return self._info_from_manifest(manifest) if manifest else None
 
     def latest(self) -> CheckpointInfo | None:
         """The newest complete checkpoint: the one `latest` names, else the newest manifest."""
         raw = self.backend.read_bytes(LATEST)
         tag = raw.decode("utf-8", "replace").strip() if raw else ""
-        if tag and _TAG_RE.match(tag):
+        if tag and TAG_RE.match(tag):
             info = self.info(tag)
             if info:
                 return info
@@ -264,9 +207,9 @@ class CheckpointStore:
         step: int | None = None,
     ) -> None:
         """Upload this node's files of ``tag`` (skipping unchanged ones), then its marker."""
-        _check_tag(tag)
+        check_tag(tag)
         t0 = time.monotonic()
-        local = _local_files(Path(local_tag_dir))
+        local = local_files(Path(local_tag_dir))
         hashes = dict(zip(local, _hash_many(list(local.values())), strict=True))
         sizes = {rel: p.stat().st_size for rel, p in local.items()}
         marker_key = f"{tag}/{NODES_DIR}/{node_rank}.json"
@@ -298,12 +241,12 @@ class CheckpointStore:
         prog.finish()
         self.backend.write_bytes(
             marker_key,
-            _dumps(
+            dumps(
                 {
                     "format": FORMAT,
                     "tag": tag,
                     "node_rank": node_rank,
-                    "step": step if step is not None else _step_from_tag(tag),
+                    "step": step if step is not None else step_from_tag(tag),
                     "time": time.time(),
                     "files": new_files,
                 }
@@ -335,7 +278,7 @@ class CheckpointStore:
     def publish(self, tag: str, step: int, world_size: int, num_nodes: int, timeout: float) -> bool:
         """Node 0: wait (up to ``timeout`` s) for every node's marker of ``tag``, write the
         manifest, then `latest`, then prune beyond ``keep``. False if nodes are missing."""
-        _check_tag(tag)
+        check_tag(tag)
         deadline = time.monotonic() + max(0.0, timeout)
         wanted = {f"{tag}/{NODES_DIR}/{r}.json" for r in range(num_nodes)}
         delay = 0.2
@@ -349,7 +292,7 @@ class CheckpointStore:
             self.log(f"not publishing {tag}: node(s) {missing} did not finish uploading within {timeout:.1f} s")
             return False
 
-        files: dict[str, dict] = {}
+        files: dict[str, dict[str, Any]] = {}
         for rank in range(num_nodes):
             marker = self._read_json(f"{tag}/{NODES_DIR}/{rank}.json")
             if marker is None:
@@ -373,7 +316,7 @@ class CheckpointStore:
             )
         self.backend.write_bytes(
             f"{tag}/{MANIFEST}",
-            _dumps(
+            dumps(
                 {
                     "format": FORMAT,
                     "tag": tag,
@@ -392,7 +335,7 @@ class CheckpointStore:
         self._prune(complete)
         return True
 
-    def _prune(self, infos: list[CheckpointInfo] | None = None) -> None:
+    def _prune(self, infos: builtins.list[CheckpointInfo] | None = None) -> None:
         """Keep the newest ``keep`` complete checkpoints; drop older complete ones and
         incomplete ones older than the oldest kept. Manifest first, so a half-deleted
         checkpoint is never taken for complete."""
@@ -419,15 +362,17 @@ class CheckpointStore:
         """Download ``tag`` (None: the latest complete) into ``dest/<tag>`` and write
         ``dest/latest``. Falls back to older complete checkpoints if it fails verification."""
         dest = Path(dest)
+        if tag is not None:
+            check_tag(tag)
         complete = [i for i in self.list() if i.complete]
         if tag is None:
             first = self.latest()
             if first is None:
                 raise StorageNotFound(f"no complete checkpoint in {self.url}")
         else:
-            first = next((i for i in complete if i.tag == _check_tag(tag)), None)
+            first = next((i for i in complete if i.tag == check_tag(tag)), None)
             if first is None:
-                older = [i for i in complete if i.step < _step_from_tag(tag)]
+                older = [i for i in complete if i.step < step_from_tag(tag)]
                 if not older:
                     raise StorageNotFound(
                         f"checkpoint {tag} is not complete in {self.url} and there is no older complete one"
@@ -450,7 +395,7 @@ class CheckpointStore:
                     f"falling back to previous complete checkpoint {nxt}"
                 )
                 continue
-            atomic_write_bytes(dest / LATEST, info.tag.encode())
+            atomic_write(dest / LATEST, info.tag)
             return info
         raise AssertionError("unreachable")  # the loop returns or raises
 
@@ -459,7 +404,7 @@ class CheckpointStore:
         created = not tag_dir.exists()
         remote = self.backend.list(f"{info.tag}/")
         for f in info.files:
-            _safe_relpath(f.path)
+            safe_relpath(f.path)
             st = remote.get(f"{info.tag}/{f.path}")
             if st is None:
                 raise StorageNotFound(f"shard {f.path} is missing")
@@ -489,7 +434,3 @@ class CheckpointStore:
             for item in todo:
                 item.dest.unlink(missing_ok=True)
         prog.finish()
-
-
-def _dumps(obj: dict) -> bytes:
-    return json.dumps(obj, indent=1, sort_keys=True).encode()

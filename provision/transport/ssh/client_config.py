@@ -13,6 +13,7 @@ from pathlib import Path
 
 from provision.core import state
 from provision.core.errors import ConfigError
+from trainer.objstore.atomic import atomic_write
 
 
 def laptop_config_path() -> Path:
@@ -76,7 +77,7 @@ def refresh(exclude: str | None = None) -> Path:
     """Rewrite <state>/ssh_config from the recorded clusters (minus `exclude`)."""
     clusters = [c for c in state.list_clusters() if c.name != exclude]
     path = laptop_config_path()
-    state.write_atomic(path, render(clusters), 0o600)
+    atomic_write(path, render(clusters), 0o600)
     return path
 
 

@@ -16,9 +16,10 @@ from pathlib import Path
 import paramiko
 
 from provision.core import state
+from trainer.objstore.atomic import atomic_write
 
 
-class UnknownHostKey(paramiko.SSHException):
+class UnknownHostKey(paramiko.SSHException):  # type: ignore[misc]  # paramiko ships no type information
     def __init__(self, hostname: str, key: paramiko.PKey):
         super().__init__(f"unknown host key for {hostname}")
         self.hostname = hostname
@@ -61,21 +62,19 @@ def _save_known_hosts(keys: paramiko.HostKeys) -> None:
         line = entry.to_line()
         if line:
             lines.append(line)
-    state.write_atomic(known_hosts_path(), "".join(lines), 0o600)
+    atomic_write(known_hosts_path(), "".join(lines), 0o600)
 
 
 def unpin(host: str, port: int | None) -> int:
     """Drop the pinned keys of a host (every port when none is given). Returns lines removed."""
-    names = {host_key_name(host, port)} if port else None
+    exact = host_key_name(host, port) if port else None
     with state.locked():
         keys = load_known_hosts()
         kept = []
         removed = 0
         for entry in keys._entries:
             hit = any(
-                n == host_key_name(host, port)
-                if names
-                else (n == host or re.fullmatch(rf"\[{re.escape(host)}\]:\d+", n))
+                n == exact if exact else (n == host or re.fullmatch(rf"\[{re.escape(host)}\]:\d+", n))
                 for n in entry.hostnames
             )
             if hit:
@@ -88,7 +87,7 @@ def unpin(host: str, port: int | None) -> int:
     return removed
 
 
-class PinPolicy(paramiko.MissingHostKeyPolicy):
+class PinPolicy(paramiko.MissingHostKeyPolicy):  # type: ignore[misc]  # paramiko ships no type information
     """Unknown key: record it only when pinning is allowed (first contact in `up`), else refuse.
 
     A changed key never reaches the policy: paramiko raises BadHostKeyException itself
@@ -98,7 +97,7 @@ class PinPolicy(paramiko.MissingHostKeyPolicy):
     def __init__(self, pin_new: bool):
         self.pin_new = pin_new
 
-    def missing_host_key(self, client, hostname, key):
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
         if not self.pin_new:
             raise UnknownHostKey(hostname, key)
         pin_host_key(hostname, key)

@@ -20,13 +20,14 @@ and the record is complete, and `teardown(cluster, nodes, ...)` in `down`.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from provision.core import state
 from provision.core.errors import RemoteError
 from provision.transport.remote import Node
 from provision.transport.ssh.client_config import host_block
+from trainer.objstore.atomic import atomic_write
 
 MARK = "gpuctl-mesh-"
 
@@ -67,8 +68,8 @@ def cluster_keypair(cluster: str) -> tuple[str, str]:
         pub = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
         folder.mkdir(parents=True, exist_ok=True)
         folder.chmod(0o700)
-        state.write_atomic(private, pem, 0o600)
-        state.write_atomic(public, f"{pub} {MARK}{cluster}\n", 0o644)
+        atomic_write(private, pem, 0o600)
+        atomic_write(public, f"{pub} {MARK}{cluster}\n", 0o644)
     return private.read_text(), public.read_text().strip()
 
 
@@ -108,7 +109,7 @@ def node_ssh_config_text(cluster: state.ClusterRecord) -> str:
 
 def setup(
     cluster: state.ClusterRecord,
-    nodes: list[Node],
+    nodes: Sequence[Node],
     authorized_keys: str = "~/.ssh/authorized_keys",
     say: Callable[[str], None] = print,
 ) -> None:
@@ -134,7 +135,7 @@ def setup(
     say(f"node-to-node SSH ready: {cluster.nodes[0].address} reaches {len(cluster.nodes)} nodes (pdsh)")
 
 
-def teardown(cluster: state.ClusterRecord, nodes: list[Node], say: Callable[[str], None] = print) -> None:
+def teardown(cluster: state.ClusterRecord, nodes: Sequence[Node], say: Callable[[str], None] = print) -> None:
     """Remove the cluster key from the nodes and the first node's ssh folder; forget the key."""
     folder = key_dir(cluster.name)
     marker = folder / "authorized_keys"

@@ -31,32 +31,26 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import paramiko
 
 from provision.core import state
-from provision.core.errors import RemoteError
+from provision.core.errors import ConfigError, RemoteError
 from provision.transport.ignore import walk_shipped
 from provision.transport.remote import CommandResult, LineSink, Node
-from provision.transport.ssh.connect import DEFAULT_CONNECT_TIMEOUT, ConnectError, endpoint, open_client, wait_for_ssh
+from provision.transport.ssh.connect import DEFAULT_CONNECT_TIMEOUT, endpoint, open_client
 from provision.transport.ssh.hostkeys import known_hosts_path, unpin
 
-__all__ = [
-    "ConnectError",
-    "SSHNode",
-    "forget_host",
-    "known_hosts_path",
-    "parse_host_spec",
-    "wait_for_ssh",
-    "walk_shipped",
-]
-
 IO_TIMEOUT = 30.0  # an SFTP reply slower than this means a hung connection (half-open TCP)
+_T = TypeVar("_T")
+_M = TypeVar("_M")
 
 
 # --- connections ---------------------------------------------------------------------------
 
-_POOL: dict[tuple, paramiko.SSHClient] = {}
+# (user, address, port, identity file, known_hosts path) -> connection
+_POOL: dict[tuple[str, str, int, str | None, str], paramiko.SSHClient] = {}
 _POOL_LOCK = threading.Lock()
 
 
@@ -85,7 +79,7 @@ def parse_host_spec(spec: str) -> tuple[str | None, str, int | None]:
 
     match = HOST_RE.match(spec.strip())
     if not match:
-        raise RemoteError(f"{spec!r} is not host, host:port or user@host:port")
+        raise ConfigError(f"{spec!r} is not host, host:port or user@host:port", "e.g. ubuntu@203.0.113.7:2222")
     return match["user"], match["host"], int(match["port"]) if match["port"] else None
 
 
@@ -128,7 +122,7 @@ class SSHNode(Node):
         self._key = (user, address, self.port, identity_file, str(known_hosts_path()))
 
     @classmethod
-    def from_record(cls, node: state.NodeRecord, identity_file: str | None = None, **kw) -> SSHNode:
+    def from_record(cls, node: state.NodeRecord, identity_file: str | None = None, **kw: Any) -> SSHNode:
         return cls(node.address, node.port, node.user or "root", identity_file, **kw)
 
     # connection ---------------------------------------------------------------------------
@@ -169,34 +163,28 @@ class SSHNode(Node):
         if client is not None and (transport is None or not transport.is_active()):
             self.drop_connection()
 
+    def _lost(self, exc: BaseException) -> RemoteError:
+        """The connection broke under a command: drop it (the next call reconnects) and say so."""
+        self.drop_connection()
+        return RemoteError(
+            f"{self.label}: connection lost ({exc or type(exc).__name__})",
+            "check the node; gpuctl reconnects on the next command",
+        )
+
     # commands -----------------------------------------------------------------------------
-    def run(
-        self,
-        argv: list[str],
-        *,
-        check: bool = True,
-        timeout: float | None = None,
-        stream: LineSink | None = None,
-        stdin: bytes | None = None,
+    def _execute(
+        self, argv: list[str], timeout: float | None, stream: LineSink | None, stdin: bytes | None
     ) -> CommandResult:
         command = shlex.join(str(a) for a in argv)
         transport = self.client().get_transport()
         try:
             chan = transport.open_session(timeout=self.connect_timeout)
         except (paramiko.SSHException, OSError, EOFError) as exc:
-            self.drop_connection()
-            raise RemoteError(
-                f"{self.label}: connection lost ({exc or type(exc).__name__})",
-                "check the node; gpuctl reconnects on the next command",
-            ) from None
+            raise self._lost(exc) from None
         try:
-            result = self._exchange(chan, command, timeout, stream, stdin)
+            return self._exchange(chan, command, timeout, stream, stdin)
         finally:
             chan.close()
-        if check and result.rc != 0:
-            detail = (result.stderr.strip() or result.stdout.strip())[-300:]
-            raise RemoteError(f"{self.label}: {argv[0] if argv else '?'} exited {result.rc}: {detail}")
-        return result
 
     def _exchange(
         self, chan: paramiko.Channel, command: str, timeout: float | None, stream: LineSink | None, stdin: bytes | None
@@ -236,11 +224,7 @@ class SSHNode(Node):
             self.drop_connection()
             raise RemoteError(f"{self.label}: {command[:120]} timed out after {timeout}s") from None
         except (paramiko.SSHException, OSError, EOFError) as exc:
-            self.drop_connection()
-            raise RemoteError(
-                f"{self.label}: connection lost ({exc or type(exc).__name__})",
-                "check the node; gpuctl reconnects on the next command",
-            ) from None
+            raise self._lost(exc) from None
         if stream:
             pending += decoder.decode(b"", final=True)
             if pending:
@@ -258,7 +242,7 @@ class SSHNode(Node):
         sftp.get_channel().settimeout(self.io_timeout)
         return sftp
 
-    def _over_sftp(self, path: str, action: Callable[[paramiko.SFTPClient], object], missing: object) -> object:
+    def _over_sftp(self, path: str, action: Callable[[paramiko.SFTPClient], _T], missing: _M) -> _T | _M:
         """Run a file action over the kept SFTP session; `missing` when the file is not there
         (or unreadable); RemoteError when the connection is gone."""
         try:
@@ -281,7 +265,8 @@ class SSHNode(Node):
 
         def read(sftp: paramiko.SFTPClient) -> str:
             with sftp.open(path, "rb") as fh:
-                return fh.read().decode("utf-8", "replace")
+                data: bytes = fh.read()
+            return data.decode("utf-8", "replace")
 
         return self._over_sftp(path, read, None)
 

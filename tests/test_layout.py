@@ -1,0 +1,101 @@
+"""The house keeps its shape: imports point down (cli -> flows -> providers -> transport ->
+estimate -> core), the laptop side never imports the node side's heavy packages, and the
+CLI starts without boto3, paramiko, fabric or torch."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = ["core", "estimate", "transport", "providers", "flows", "cli"]  # lowest first
+NODE_ONLY = ("torch", "deepspeed", "transformers")
+
+
+def provision_modules() -> list[Path]:
+    return sorted((ROOT / "provision").rglob("*.py"))
+
+
+def layer_of(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[0] != "provision" or len(parts) < 2 or parts[1] not in LAYERS:
+        return None
+    return LAYERS.index(parts[1])
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    """Every module an import statement names, at any depth (function-level imports too)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+    return found
+
+
+def test_every_module_sits_in_a_room():
+    loose = [p.name for p in (ROOT / "provision").glob("*.py") if p.name != "__init__.py"]
+    assert loose == [], f"put {loose} in the subpackage of its role"
+    rooms = {p.name for p in (ROOT / "provision").iterdir() if p.is_dir() and not p.name.startswith("__")}
+    assert rooms - {"templates"} == set(LAYERS)
+
+
+def test_imports_point_down_only():
+    upward = []
+    for path in provision_modules():
+        rel = path.relative_to(ROOT).with_suffix("")
+        own = layer_of(".".join(rel.parts))
+        for lineno, module in imports_of(path):
+            target = layer_of(module)
+            if own is not None and target is not None and target > own:
+                upward.append(f"{rel}.py:{lineno} imports {module} ({LAYERS[own]} -> {LAYERS[target]})")
+    assert upward == []
+
+
+def test_laptop_side_never_imports_node_packages_and_trainer_never_imports_provision():
+    # `import trainer` alone is fine: render ships the package folder it names (trainer/__init__ is light)
+    bad = [
+        f"{p.relative_to(ROOT)}:{n} {m}"
+        for p in provision_modules()
+        for n, m in imports_of(p)
+        if m.split(".")[0] in NODE_ONLY or (m.startswith("trainer.") and not m.startswith("trainer.objstore"))
+    ]
+    bad += [
+        f"{p.relative_to(ROOT)}:{n} {m}"
+        for p in sorted((ROOT / "trainer").rglob("*.py"))
+        for n, m in imports_of(p)
+        if m.split(".")[0] == "provision"
+    ]
+    assert bad == []
+
+
+def test_the_walker_sees_an_upward_import(tmp_path):
+    """The check above can fail: a flows-level import inside a core module is caught."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from provision.flows import job\n")
+    assert layer_of(imports_of(probe)[0][1]) == LAYERS.index("flows") > LAYERS.index("core")
+
+
+@pytest.mark.parametrize("entry", ["import provision.cli.app", "import provision.cli"])
+def test_cli_imports_nothing_heavy(entry):
+    heavy = ["torch", "deepspeed", "transformers", "boto3", "botocore", "paramiko", "fabric", "jinja2", "pydantic"]
+    code = f"{entry}; import sys; print(','.join(m for m in {heavy!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ""
+
+
+def test_help_imports_nothing_heavy():
+    code = (
+        "import sys; sys.argv = ['gpuctl', '--help']\nfrom provision.cli.app import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print('LOADED:' + ','.join(m for m in ('torch', 'boto3', 'paramiko', 'fabric') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert "LOADED:\n" in out.stdout + "\n" and "Commands" in out.stdout, out.stdout[-500:]
