@@ -55,9 +55,10 @@ def test_search_query_units_filters_and_cheapest_first(fake):
     assert query["disk_space"] == {"gte": 200} and query["dph_total"] == {"lte": 2.0}
     assert query["gpu_name"] == {"eq": "RTX 4090"} and query["num_gpus"] == {"eq": 3}
     assert query["rentable"] == {"eq": True} and query["verified"] == {"eq": True}
+    assert query["external"] == {"eq": False} and query["rented"] == {"eq": False}  # the client's defaults
     assert query["reliability"] == {"gte": 0.98} and query["order"] == [["dph_total", "asc"]]
     offers = vast.BACKEND.find_offers(prov)
-    assert [o.id for o in offers] == ["1001", "1003"]
+    assert [o.id for o in offers] == ["1001", "1003"]  # not 1008: an external listing
     assert offers[0].price_per_hour == 1.05 and offers[0].ram_gb == 257 and offers[0].num_gpus == 3
 
 
@@ -129,7 +130,8 @@ def test_up_waits_for_ssh_records_price_and_down_is_idempotent(project, gpuctl, 
     assert node.slots == 3 and node.accelerator == "cpu"  # no GPU on the stand-in: CPU ranks
     assert any("shows no GPU" in line for line in said)
     body = fake.created_bodies[0]
-    assert body["image"] == cfg.provider.image and body["runtype"] == "ssh_direct"
+    assert body["image"] == cfg.provider.image and body["runtype"] == "ssh_direc ssh_proxy"
+    assert body["client_id"] == "me" and body["cancel_unavail"] is True and body["onstart"] == vast.ONSTART
     assert body["disk"] == 200 and re.fullmatch(r"gpuctl-vast-t-0-[0-9a-f]{6}", body["label"])
     assert fake.instances[7000001]["_keys"] == [(state_dir / "keys" / "vast-t" / "id_ed25519.pub").read_text().strip()]
     status = json.loads(gpuctl("status", "--json").stdout)
@@ -182,7 +184,7 @@ def test_a_create_whose_answer_is_lost_is_not_retried_and_not_leaked(project, fa
     fake.lose_create_answer = True  # Vast created it, then the answer was a 502
     with pytest.raises(ProviderError) as err:
         up_in_process(project, fake, tmp_path)
-    assert "PUT /asks/1001/: HTTP 502" in err.value.one_line() and "(1 try)" in err.value.one_line()
+    assert "PUT /api/v0/asks/1001/: HTTP 502" in err.value.one_line() and "(1 try)" in err.value.one_line()
     assert [m for m, p in fake.requests].count("PUT") == 1  # a create is never retried after a 5xx
     assert not fake.instances and fake.deleted == [7000001]  # found by this attempt's label, terminated
     assert not list(state_dir.glob("clusters/*.json"))
@@ -232,7 +234,7 @@ def test_two_nodes_take_the_two_cheapest_offers_and_end_together(project, gpuctl
     assert any("node-to-node SSH ready" in line for line in said)
     teardown = vast.BACKEND.self_teardown(record)
     urls = teardown.argv[4::2]
-    assert urls == [f"{fake.url}/instances/7000002/", f"{fake.url}/instances/7000001/"]  # its own last
+    assert urls == [f"{fake.url}/api/v0/instances/7000002/", f"{fake.url}/api/v0/instances/7000001/"]  # own last
     assert gpuctl("down", "--yes").returncode == 0
     assert not fake.instances and sorted(fake.deleted) == [7000001, 7000002]
 
@@ -261,7 +263,7 @@ def test_the_node_teardown_command_is_python_urllib_with_the_key_in_env(project,
     _cfg, record, _ = up_in_process(project, fake, tmp_path)
     teardown = vast.BACKEND.self_teardown(record)
     assert teardown.argv[1] == "-c" and "urllib.request" in teardown.argv[2]
-    assert teardown.argv[3:] == ["DELETE", f"{fake.url}/instances/7000001/", ""]
+    assert teardown.argv[3:] == ["DELETE", f"{fake.url}/api/v0/instances/7000001/", "{}"]  # the client's body
     assert teardown.env == {"GPUCTL_TEARDOWN_KEY": fake.key}
     assert fake.key not in " ".join(teardown.argv)
     # run it as the node would: the fake deletes the instance

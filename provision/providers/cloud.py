@@ -42,7 +42,7 @@ GONE_TIMEOUT_S = 300.0
 # The node-side teardown: HTTP calls with python3's urllib (present in any image that trains),
 # the key from $GPUCTL_TEARDOWN_KEY (secrets.env), never argv. argv: METHOD then URL BODY pairs,
 # the node running it last. 404 or "not found" counts as done; 429/5xx, GraphQL errors and
-# network errors are retried with backoff for about ten minutes.
+# network errors (and Vast's {"success": false}) are retried with backoff for about ten minutes.
 TEARDOWN_PY = """\
 import json, os, sys, time, urllib.error, urllib.request
 method, calls = sys.argv[1], list(zip(sys.argv[2::2], sys.argv[3::2]))
@@ -54,6 +54,8 @@ def call(url, body):
             answer = urllib.request.urlopen(req, timeout=30).read()
             doc = json.loads(answer) if answer.strip() else {}
             errors = doc.get("errors") if isinstance(doc, dict) else None
+            if isinstance(doc, dict) and doc.get("success") is False:  # Vast refuses with HTTP 200
+                errors = doc.get("msg") or doc.get("error") or "success: false"
             if not errors or "not found" in str(errors).lower():
                 print("gpuctl: self-teardown accepted:", url.rsplit("/", 2)[-2] if not body else body[-40:])
                 return True

@@ -1,23 +1,34 @@
-"""Provider `vast`: Vast.ai through its REST API v0 (docs.vast.ai/api-reference).
+"""Provider `vast`: Vast.ai through its REST API, shaped as the official client (PyPI `vastai`,
+vastai/api/{offers,instances,keys}.py) sends it; tests/test_cloud_oracle_vast.py compares the two.
 
-- search: POST /bundles/ with a JSON query ({"field": {"op": value}}). Units as the API has
-  them: cpu_ram in MB (the vastai CLI multiplies GB by 1000), disk_space in GB, dph_total in $/h
-  for the whole offer (all its GPUs, storage included).
-- create: PUT /asks/{offer_id}/ {image, disk, runtype: "ssh_direct", label, env, onstart}
-  -> {"success": true, "new_contract": instance_id}. The instance IS the container (no Docker
-  inside); the image is chosen here. The cluster key is attached with POST /instances/{id}/ssh/.
-- ready: GET /instances/{id}/ -> {"instances": {...}}: actual_status "running" and a direct SSH
-  port (ports["22/tcp"][0].HostPort on public_ipaddr; else ssh_host:ssh_port, the proxy), then
-  an SSH banner (cloud.py).
-- terminate: DELETE /instances/{id}/ (404 = already gone); list: GET /instances/.
-Auth: `Authorization: Bearer KEY`, key from $VAST_API_KEY or ~/.vast_api_key
-(or ~/.config/vastai/vast_api_key, where newer vastai CLIs keep it).
+- search: POST /api/v0/bundles/ {"field": {"op": value}, order, type, allocated_storage, limit}
+  with the client's defaults verified/external=false/rentable/rented. Units as the API has them:
+  cpu_ram in MB (the client multiplies GB by 1000), disk_space in GB, dph_total in $/h for the
+  whole offer (its GPUs plus `allocated_storage` GB of disk).
+- create: PUT /api/v0/asks/{offer_id}/ {client_id: "me", image, disk, label, env, onstart,
+  runtype: "ssh_direc ssh_proxy", cancel_unavail: true} -> {"success": true, "new_contract": id}.
+  ssh_direc + ssh_proxy: a direct port where the host has one, Vast's proxy always (what the
+  client's ssh=True, direct=True builds). cancel_unavail: an offer that cannot be scheduled is
+  an error now, not a stopped instance whose disk is billed while we wait for it.
+  An SSH runtype replaces the image's entrypoint with Vast's own, so the image's ENV never
+  reaches an SSH session: ONSTART (run by Vast's entrypoint, with the container's env) writes
+  it to /etc/environment, which PAM reads at every SSH login (Vast's documented pattern).
+  The cluster key goes in with POST /api/v0/instances/{id}/ssh/ {"ssh_key": line}.
+- ready: GET /api/v0/instances/{id}/?owner=me -> {"instances": {...}}: actual_status "running"
+  and an address (ports["22/tcp"][0].HostPort on public_ipaddr, else the proxy ssh_host:ssh_port),
+  then an SSH banner (cloud.py). exited/offline/unknown/stopped never turn into running: failed.
+- terminate: DELETE /api/v0/instances/{id}/ with body {} (404 = already gone; success false =
+  an error); list: GET /api/v1/instances/ paged by next_token, as the client's show_instances.
+Auth: `Authorization: Bearer KEY`, key from $VAST_API_KEY, ~/.config/vastai/vast_api_key (the
+client's place) or ~/.vast_api_key (older clients').
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote_plus
 
 from provision.core.config import CloudProvider, VastProvider
 from provision.core.errors import ProviderError
@@ -26,40 +37,75 @@ from provision.providers.base import Offer, SelfTeardown
 from provision.providers.cloud import CloudBackend, Instance, http_teardown, node_last
 from provision.providers.http import ApiNotFound, JsonApi, load_key
 
-API_URL = "https://console.vast.ai/api/v0"
+API_URL = "https://console.vast.ai"
 KEY_ENV = "VAST_API_KEY"
-KEY_FILES = [Path("~/.vast_api_key"), Path("~/.config/vastai/vast_api_key")]
-MB_PER_GB = 1000  # as the vastai CLI converts cpu_ram
+KEY_FILES = [Path("~/.config/vastai/vast_api_key"), Path("~/.vast_api_key")]
+MB_PER_GB = 1000  # as the client's offers_mult converts cpu_ram
 SEARCH_LIMIT = 64
-# actual_status values that never turn into "running" (docs: show-instance).
-FAILED = ("exited", "offline")
+LIST_PAGE = 25  # the client's show_instances page size
+LIST_PAGES_MAX = 200  # 5000 instances: a bound on a server that keeps handing out next_token
+RUNTYPE = "ssh_direc ssh_proxy"  # sic: the client's resolve_runtype(ssh=True, direct=True)
+# actual_status values that never turn into "running" (an exited container, a host gone offline,
+# a state Vast cannot tell); intended/cur state "stopped": Vast could not schedule it.
+FAILED = ("exited", "offline", "unknown", "stopped")
+# Run by Vast's entrypoint at every container start, with the container's environment (the
+# image's ENV, NCCL_*, PATH to its venv, GPUCTL_*). It rewrites /etc/environment, which PAM's
+# pam_env reads at each SSH login: the container env first, then the file's own other lines.
+# Secret-looking names (Vast injects CONTAINER_API_KEY) stay out: the file is world-readable.
+ONSTART = r"""# gpuctl: let SSH sessions see the container's environment (Vast's SSH runtype replaced the entrypoint)
+new=/etc/environment.gpuctl
+env | grep -E '^[A-Za-z_][A-Za-z0-9_]*=' \
+  | grep -vE '^(HOME|PWD|OLDPWD|SHLVL|_|HOSTNAME|TERM|SHELL|USER|LOGNAME|MAIL|SSH_[A-Z_]*)=' \
+  | grep -viE '^[^=]*(KEY|TOKEN|SECRET|PASSW|CREDENTIAL)[^=]*=' > "$new"
+names=$(cut -d= -f1 "$new" | paste -sd'|' -)
+grep -vE "^(${names:-^})=" /etc/environment 2>/dev/null >> "$new"
+chmod 644 "$new" && mv -f "$new" /etc/environment
+"""
 
 
 def api(api_url: str | None) -> JsonApi:
+    """The client at Vast's origin; an api_url ending in /api/v0 (older configs) is taken as its origin."""
     key, source = load_key("Vast.ai", KEY_ENV, KEY_FILES)
-    return JsonApi("Vast.ai", api_url or API_URL, key, source)
+    base = (api_url or API_URL).rstrip("/").removesuffix("/api/v0")
+    return JsonApi("Vast.ai", base, key, source)
 
 
 def search_query(prov: VastProvider) -> dict[str, Any]:
     query: dict[str, Any] = {
-        "gpu_name": {"eq": prov.gpu},
-        "num_gpus": {"eq": prov.gpus_per_node},
+        # the client's defaults (offers.search_offers), then our filters
+        "verified": {"eq": True},
+        "external": {"eq": False},
         "rentable": {"eq": True},
         "rented": {"eq": False},
+        "gpu_name": {"eq": prov.gpu},
+        "num_gpus": {"eq": prov.gpus_per_node},
         "reliability": {"gte": prov.reliability},
         "cpu_ram": {"gte": round(prov.min_ram_gb * MB_PER_GB)},
         "disk_space": {"gte": prov.disk_gb},
-        "direct_port_count": {"gte": 1},  # ssh_direct needs one
+        "direct_port_count": {"gte": 1},  # ssh_direc needs one (the proxy is the fallback)
         "order": [["dph_total", "asc"]],
         "type": "on-demand",
         "allocated_storage": prov.disk_gb,  # prices include this much storage
         "limit": SEARCH_LIMIT,
     }
-    if prov.verified:
-        query["verified"] = {"eq": True}
+    if not prov.verified:
+        del query["verified"]
     if prov.max_price:
         query["dph_total"] = {"lte": prov.max_price}
     return query
+
+
+def create_body(prov: VastProvider, cluster: ClusterRecord, label: str) -> dict[str, Any]:
+    return {
+        "client_id": "me",
+        "image": prov.image,
+        "disk": prov.disk_gb,
+        "label": label,
+        "env": {"GPUCTL_CLUSTER": cluster.name},
+        "onstart": ONSTART,
+        "runtype": RUNTYPE,
+        "cancel_unavail": True,
+    }
 
 
 def _offer(raw: dict[str, Any]) -> Offer:
@@ -77,22 +123,37 @@ def _offer(raw: dict[str, Any]) -> Offer:
 
 def _instance(raw: dict[str, Any]) -> Instance:
     status = raw.get("actual_status") or "provisioning"
+    stopped = "stopped" in (raw.get("intended_status"), raw.get("cur_state"))
     address, port = None, 22
     mapped = (raw.get("ports") or {}).get("22/tcp") if isinstance(raw.get("ports"), dict) else None
     if mapped and raw.get("public_ipaddr"):
         address, port = raw["public_ipaddr"].strip(), int(mapped[0]["HostPort"])
     elif raw.get("ssh_host") and raw.get("ssh_port"):
-        address, port = raw["ssh_host"], int(raw["ssh_port"])
+        address, port = raw["ssh_host"].strip(), int(raw["ssh_port"])
+    ready = status == "running" and address is not None and not stopped
+    failed = status in FAILED or stopped
+    if failed:  # the vendor's word plus its reason, for the one error line
+        why = " ".join(str(raw.get("status_msg") or "").split())[:200]
+        status = (status if status in FAILED else "stopped") + (f" ({why})" if why else "")
     return Instance(
         id=str(raw["id"]),
         state=status,
-        ready=status == "running" and address is not None,
-        failed=status in FAILED,
+        ready=ready,
+        failed=failed,
         address=address,
         port=port,
         user="root",
         label=raw.get("label") or "",
     )
+
+
+def _checked(answer: Any, what: str) -> dict[str, Any]:
+    """Vast answers some refusals with HTTP 200 and {"success": false, "msg": ...}."""
+    doc = answer if isinstance(answer, dict) else {}
+    if doc.get("success") is False:
+        detail = doc.get("msg") or doc.get("error") or "success: false"
+        raise ProviderError(f"Vast.ai refused to {what}: {str(detail)[:300]}", "check the Vast.ai console")
+    return doc
 
 
 class VastBackend(CloudBackend):
@@ -114,7 +175,7 @@ class VastBackend(CloudBackend):
 
     def find_offers(self, prov: CloudProvider) -> list[Offer]:
         assert isinstance(prov, VastProvider)
-        answer = api(prov.api_url).request("POST", "/bundles/", search_query(prov)) or {}
+        answer = api(prov.api_url).request("POST", "/api/v0/bundles/", search_query(prov)) or {}
         offers = [_offer(o) for o in answer.get("offers") or []]
         return sorted(offers, key=lambda o: o.price_per_hour)
 
@@ -130,30 +191,27 @@ class VastBackend(CloudBackend):
     def launch(self, prov: CloudProvider, cluster: ClusterRecord, label: str, offer: Offer, public_key: str) -> str:
         assert isinstance(prov, VastProvider)
         client = api(cluster.api_url)
-        body = {
-            "image": prov.image,
-            "disk": prov.disk_gb,
-            "runtype": "ssh_direct",
-            "label": label,
-            "env": {"GPUCTL_CLUSTER": cluster.name},
-        }
-        answer = client.request("PUT", f"/asks/{offer.id}/", body, idempotent=False) or {}
+        body = create_body(prov, cluster, label)
+        answer = client.request("PUT", f"/api/v0/asks/{offer.id}/", body, idempotent=False) or {}
         if not answer.get("success") or not answer.get("new_contract"):
             raise ProviderError(
-                f"Vast.ai did not rent offer {offer.id}: {answer.get('msg') or answer}",
-                "the offer may be taken; retry `gpuctl up`",
+                f"Vast.ai did not rent offer {offer.id}: {answer.get('msg') or answer.get('error') or answer}",
+                "the offer may be taken or unschedulable; retry `gpuctl up`",
             )
         instance_id = str(answer["new_contract"])
         try:
-            client.request("POST", f"/instances/{instance_id}/ssh/", {"ssh_key": public_key})
+            _checked(
+                client.request("POST", f"/api/v0/instances/{instance_id}/ssh/", {"ssh_key": public_key}),
+                f"attach the cluster key to instance {instance_id}",
+            )
         except BaseException:
-            client.request("DELETE", f"/instances/{instance_id}/")
+            self.terminate(cluster, instance_id)
             raise
         return instance_id
 
     def describe(self, cluster: ClusterRecord, instance_id: str) -> Instance | None:
         try:
-            answer = api(cluster.api_url).request("GET", f"/instances/{instance_id}/") or {}
+            answer = api(cluster.api_url).request("GET", f"/api/v0/instances/{instance_id}/?owner=me") or {}
         except ApiNotFound:
             return None
         raw = answer.get("instances")
@@ -161,13 +219,24 @@ class VastBackend(CloudBackend):
 
     def terminate(self, cluster: ClusterRecord, instance_id: str) -> None:
         try:
-            api(cluster.api_url).request("DELETE", f"/instances/{instance_id}/")
+            answer = api(cluster.api_url).request("DELETE", f"/api/v0/instances/{instance_id}/", {})
         except ApiNotFound:
-            pass
+            return
+        _checked(answer, f"destroy instance {instance_id}")
 
     def list_instances(self, cluster: ClusterRecord) -> list[Instance]:
-        answer = api(cluster.api_url).request("GET", "/instances/") or {}
-        return [_instance(raw) for raw in answer.get("instances") or []]
+        """Every instance of the account: the v1 list, paged as the client's show_instances does."""
+        client = api(cluster.api_url)
+        params: dict[str, Any] = {"select_filters": {}, "order_by": [{"col": "id", "dir": "asc"}], "limit": LIST_PAGE}
+        found: list[Instance] = []
+        for _page in range(LIST_PAGES_MAX):
+            query = "&".join(f"{k}={quote_plus(v if isinstance(v, str) else json.dumps(v))}" for k, v in params.items())
+            answer = client.request("GET", f"/api/v1/instances/?{query}") or {}
+            found += [_instance(raw) for raw in answer.get("instances") or []]
+            if not answer.get("next_token"):
+                return found
+            params["after_token"] = answer["next_token"]
+        raise ProviderError(f"Vast.ai listed more than {LIST_PAGES_MAX} pages of instances", "check the console")
 
     def self_teardown(self, cluster: ClusterRecord) -> SelfTeardown | None:
         """The node DELETEs the cluster's instances, its own last."""
@@ -175,7 +244,7 @@ class VastBackend(CloudBackend):
         if not ids:
             return None
         client = api(cluster.api_url)
-        calls = [(f"{client.base_url}/instances/{i}/", "") for i in ids]
+        calls = [(f"{client.base_url}/api/v0/instances/{i}/", "{}") for i in ids]
         return http_teardown(cluster.python, "DELETE", calls, client.secret())
 
 

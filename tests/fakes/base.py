@@ -35,6 +35,17 @@ class SshTarget:
         self.authorized_keys.write_text("".join(f"{x}\n" for x in lines if x.strip() != line.strip()))
 
 
+@dataclass
+class Call:
+    """One request as the server saw it: what the oracle tests compare."""
+
+    method: str
+    path: str
+    query: dict[str, str]
+    body: object
+    headers: dict[str, str]
+
+
 class ApiError(Exception):
     def __init__(self, status: int, body: dict):
         super().__init__(status)
@@ -50,6 +61,7 @@ class FakeApi:
     requests: list[tuple[str, str]] = field(default_factory=list)
     fail_next: list[int] = field(default_factory=list)  # answer the next requests with these statuses
     raw_paths: list[str] = field(default_factory=list)  # as sent, query string included
+    calls: list[Call] = field(default_factory=list)  # every authorized request, body parsed
 
     def __post_init__(self):
         self.lock = threading.RLock()
@@ -109,6 +121,8 @@ class FakeApi:
                 body = json.loads(raw) if raw.strip() else None
             except json.JSONDecodeError:
                 return self._reply(req, 400, {"error": "bad_json", "msg": "request body is not JSON"})
+            headers = {k.lower(): v for k, v in req.headers.items() if k.lower() != "authorization"}
+            self.calls.append(Call(req.command, split.path, query, body, headers))
             try:
                 status, answer = self.handle(req.command, split.path, body, query)
             except ApiError as err:

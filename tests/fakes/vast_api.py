@@ -1,29 +1,38 @@
-"""A fake Vast.ai REST API v0, shaped after docs.vast.ai/api-reference:
+"""A fake Vast.ai REST API, shaped after docs.vast.ai/api-reference and what the official client
+(PyPI `vastai`, vastai/api/*.py) sends, so both gpuctl and that client run against it:
 
 - POST /api/v0/bundles/  search: {"field": {"eq"|"neq"|"gt"|"gte"|"lt"|"lte"|"in"|"notin": v}}
   plus order [["field", "asc"|"desc"]], limit, type, allocated_storage -> {"offers": [...]};
-  cpu_ram in MB, disk_space in GB, dph_total $/h. Unknown fields or operators -> 400.
-- PUT /api/v0/asks/{id}/  {image, disk, runtype, label, env, onstart, ...}
-  -> {"success": true, "new_contract": instance_id}; a rented/unknown offer -> 404/410.
+  cpu_ram in MB, disk_space in GB, dph_total $/h. Values may come as strings (the client's query
+  parser keeps "3" and "0.98" as text): compared as the server does, as numbers. Unknown fields
+  or operators -> 400.
+- PUT /api/v0/asks/{id}/  {client_id, image, disk, runtype, label, env, onstart, cancel_unavail,
+  ...}: image is required (docs: "Yes*", unless a template), env an object, every runtype word a
+  known one ("ssh_direc", not "ssh_direct"). -> {"success": true, "new_contract": id}; a
+  rented/unknown offer -> 404/410. An offer in `unschedulable`: with cancel_unavail an error,
+  without it a *stopped* instance (intended_status "stopped") that never runs.
 - POST /api/v0/instances/{id}/ssh/ {"ssh_key": line} -> {"success": true}
-- GET /api/v0/instances/ -> {"instances_found": n, "instances": [...]}
-- GET /api/v0/instances/{id}/ -> {"instances": {...}}; actual_status goes null -> "loading" ->
-  "running" over `boot_polls` reads, then ports {"22/tcp": [{"HostIp", "HostPort"}]} on
-  public_ipaddr point at the test sshd.
-- DELETE /api/v0/instances/{id}/ -> {"success": true}; unknown -> 404.
+- GET /api/v1/instances/?select_filters&order_by&limit[&after_token] -> {"instances": [...],
+  "next_token": ...} paged; GET /api/v0/instances/{id}/[?owner=me] -> {"instances": {...}}:
+  actual_status goes null -> "loading" -> "running" over `boot_polls` reads, then ports
+  {"22/tcp": [{"HostIp", "HostPort"}]} on public_ipaddr point at the test sshd; extra_env is a
+  list of [name, value] pairs (the client turns it into a dict).
+- DELETE /api/v0/instances/{id}/ -> {"success": true}; unknown -> 404; an id in `refuse_delete`
+  -> 200 {"success": false, "msg": ...} and the instance stays.
 Auth: Authorization: Bearer KEY (or ?api_key=KEY); else 401.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import re
 import time
 from dataclasses import dataclass, field
 
 from tests.fakes.base import ApiError, FakeApi
 
-CONTROL = {"order", "limit", "type", "allocated_storage", "disable_bundling", "external"}
+CONTROL = {"order", "limit", "type", "allocated_storage", "disable_bundling"}
 OPS = {
     "eq": lambda a, b: a == b,
     "neq": lambda a, b: a != b,
@@ -34,7 +43,9 @@ OPS = {
     "in": lambda a, b: a in b,
     "notin": lambda a, b: a not in b,
 }
+# every field the official client's build_create_instance_payload can send
 CREATE_FIELDS = {
+    "client_id",
     "image",
     "template_hash_id",
     "label",
@@ -46,11 +57,18 @@ CREATE_FIELDS = {
     "onstart",
     "args",
     "args_str",
+    "extra",
     "image_login",
+    "python_utf8",
+    "lang_utf8",
+    "use_jupyter_lab",
+    "jupyter_dir",
+    "force",
     "cancel_unavail",
-    "client_id",
+    "user",
+    "volume_info",
 }
-RUNTYPES = {"ssh", "jupyter", "args", "ssh_proxy", "ssh_direct", "jupyter_proxy", "jupyter_direct"}
+RUNTYPE_WORDS = {"ssh", "jupyter", "args", "ssh_proxy", "ssh_direc", "jupyter_proxy", "jupyter_direc"}
 
 
 def offer(
@@ -64,6 +82,7 @@ def offer(
     reliability=0.995,
     verified=True,
     rentable=True,
+    external=False,
     where="Fakeland, FK",
 ) -> dict:
     return {
@@ -87,7 +106,8 @@ def offer(
         "inet_up": 800.0,
         "gpu_ram": 24564,
         "cuda_max_good": 12.4,
-        "external": False,
+        "external": external,
+        "score": 100.0 - price,
     }
 
 
@@ -101,7 +121,24 @@ def default_offers() -> list[dict]:
         offer(1005, price=0.75, gpu="RTX 3090"),
         offer(1006, price=0.80, reliability=0.90),
         offer(1007, price=0.70, verified=False),
+        offer(1008, price=0.65, external=True),  # an external listing: the client hides it
     ]
+
+
+def _number(value):
+    """The server compares "3" with 3 and "0.98" with 0.98; the client sends either."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    if isinstance(value, list):
+        return [_number(v) for v in value]
+    return value
+
+
+def _bad(msg: str, status: int = 400) -> ApiError:
+    return ApiError(status, {"success": False, "error": "invalid_args", "msg": msg})
 
 
 @dataclass
@@ -113,6 +150,8 @@ class FakeVast(FakeApi):
     boot_polls: int = 2  # reads of an instance before it reports "running"
     lose_create_answer: bool = False  # create the instance, then answer 502 (a lost response)
     addresses: tuple[str, ...] = ("127.0.0.1",)  # instance n answers on addresses[n % len]: two "hosts"
+    unschedulable: set[int] = field(default_factory=set)  # offer ids whose machine cannot start it
+    refuse_delete: set[int] = field(default_factory=set)  # instance ids whose DELETE says success false
 
     def __post_init__(self):
         super().__post_init__()
@@ -120,9 +159,11 @@ class FakeVast(FakeApi):
 
     @property
     def url(self) -> str:
-        return f"{self.origin}/api/v0"
+        return self.origin
 
     def handle(self, method: str, path: str, body, query: dict) -> tuple[int, dict]:
+        if method == "GET" and path == "/api/v1/instances/":
+            return 200, self._list(query)
         route = path.removeprefix("/api/v0")
         if method == "POST" and route == "/bundles/":
             return 200, {"offers": self._search(body or {})}
@@ -132,39 +173,29 @@ class FakeVast(FakeApi):
             inst = self._get(int(m[1]))
             key = (body or {}).get("ssh_key", "")
             if not key.startswith("ssh-"):
-                raise ApiError(400, {"success": False, "error": "invalid_args", "msg": "ssh_key is not a public key"})
+                raise _bad("ssh_key is not a public key")
             inst["_keys"].append(key)
             if self.ssh:
                 self.ssh.add_key(key)
             return 200, {"success": True}
-        if route == "/instances/" and method == "GET":
-            found = [self._view(i) for i in self.instances.values()]
-            return 200, {"instances_found": len(found), "instances": found}
         if (m := re.fullmatch(r"/instances/(\d+)/", route)) and method == "GET":
             return 200, {"instances": self._view(self._get(int(m[1])))}
         if (m := re.fullmatch(r"/instances/(\d+)/", route)) and method == "DELETE":
-            inst = self._get(int(m[1]))
-            for key in inst["_keys"]:
-                if self.ssh:
-                    self.ssh.remove_key(key)
-            del self.instances[inst["id"]]
-            inst["ask"]["rented"] = False
-            self.deleted.append(inst["id"])
-            return 200, {"success": True}
+            return 200, self._delete(self._get(int(m[1])))
         raise ApiError(404, {"success": False, "error": "not_found", "msg": f"no route {method} {path}"})
 
     # search ------------------------------------------------------------------------------------
     def _search(self, query: dict) -> list[dict]:
-        rows = [o for o in self.offers if o["rentable"] and not o["rented"]]
+        rows = [o for o in self.offers if not o["rented"]]  # a rented ask is gone from every search
         for name, cond in query.items():
             if name in CONTROL:
                 continue
             if name not in self.offers[0]:
-                raise ApiError(400, {"success": False, "error": "invalid_args", "msg": f"unknown field {name}"})
+                raise _bad(f"unknown field {name}")
             if not isinstance(cond, dict) or not set(cond) <= set(OPS):
-                raise ApiError(400, {"success": False, "error": "invalid_args", "msg": f"bad condition for {name}"})
+                raise _bad(f"bad condition for {name}")
             for op, value in cond.items():
-                rows = [o for o in rows if OPS[op](o[name], value)]
+                rows = [o for o in rows if OPS[op](o[name], _number(value))]
         for name, direction in reversed(query.get("order") or []):
             rows.sort(key=lambda o: o[name], reverse=direction == "desc")
         return rows[: int(query.get("limit") or 64)]
@@ -172,12 +203,15 @@ class FakeVast(FakeApi):
     # instances ---------------------------------------------------------------------------------
     def _create(self, offer_id: int, body: dict) -> tuple[int, dict]:
         unknown = set(body) - CREATE_FIELDS
-        if unknown or not body.get("image") or body.get("runtype", "ssh") not in RUNTYPES:
-            raise ApiError(
-                400, {"success": False, "error": "invalid_args", "msg": f"bad create body {sorted(unknown)}"}
-            )
+        if unknown:
+            raise _bad(f"unknown create fields {sorted(unknown)}")
+        if not body.get("image") and not body.get("template_hash_id"):
+            raise _bad("image is required")
+        words = str(body.get("runtype") or "ssh").split()
+        if not words or not set(words) <= RUNTYPE_WORDS:
+            raise _bad(f"invalid runtype {body.get('runtype')!r}")
         if not isinstance(body.get("env", {}), dict):
-            raise ApiError(400, {"success": False, "error": "invalid_args", "msg": "env must be an object"})
+            raise _bad("env must be an object")
         ask = next((o for o in self.offers if o["id"] == offer_id), None)
         if ask is None:
             raise ApiError(
@@ -185,6 +219,9 @@ class FakeVast(FakeApi):
             )
         if ask["rented"]:
             raise ApiError(410, {"success": False, "error": "no_such_ask", "msg": "Offer no longer available"})
+        stuck = offer_id in self.unschedulable
+        if stuck and body.get("cancel_unavail"):
+            raise ApiError(400, {"success": False, "error": "unavailable", "msg": "Required resources unavailable"})
         ask["rented"] = True
         self.created_bodies.append(body)
         instance_id = next(self._ids)
@@ -198,6 +235,7 @@ class FakeVast(FakeApi):
             "onstart": body.get("onstart"),
             "disk_space": body.get("disk", 8),
             "start_date": time.time(),
+            "_stuck": stuck,
             "_reads": 0,
             "_keys": [],
         }
@@ -205,26 +243,57 @@ class FakeVast(FakeApi):
             raise ApiError(502, {"detail": "Bad Gateway"})
         return 200, {"success": True, "new_contract": instance_id}
 
+    def _delete(self, inst: dict) -> dict:
+        if inst["id"] in self.refuse_delete:
+            return {"success": False, "error": "delete_failed", "msg": "Instance is locked by an ongoing operation"}
+        for key in inst["_keys"]:
+            if self.ssh:
+                self.ssh.remove_key(key)
+        del self.instances[inst["id"]]
+        inst["ask"]["rented"] = False
+        self.deleted.append(inst["id"])
+        return {"success": True}
+
+    def _list(self, query: dict) -> dict:
+        try:
+            limit = int(json.loads(query.get("limit", "25")))
+            after = int(query.get("after_token") or 0)
+        except ValueError:
+            raise _bad("bad limit or after_token") from None
+        rows = sorted(self.instances.values(), key=lambda i: i["id"])
+        rows = [i for i in rows if i["id"] > after][:limit]
+        more = len(rows) == limit and any(i["id"] > rows[-1]["id"] for i in self.instances.values())
+        return {
+            "instances": [self._view(i, count=False) for i in rows],
+            "next_token": str(rows[-1]["id"]) if more else None,
+            "total_instances": len(self.instances),
+        }
+
     def _get(self, instance_id: int) -> dict:
         inst = self.instances.get(instance_id)
         if inst is None:
             raise ApiError(404, {"success": False, "error": "no_such_instance", "msg": "Instance not found"})
         return inst
 
-    def _view(self, inst: dict) -> dict:
-        inst["_reads"] += 1
+    def _view(self, inst: dict, count: bool = True) -> dict:
+        if count:
+            inst["_reads"] += 1
         ask = inst["ask"]
-        status = None if inst["_reads"] == 1 else "running" if inst["_reads"] > self.boot_polls else "loading"
+        reads = inst["_reads"]
+        status = None if reads <= 1 else "running" if reads > self.boot_polls else "loading"
+        if inst["_stuck"]:
+            status = "exited" if reads > 1 else None
         running = status == "running" and self.ssh is not None
         return {
             "id": inst["id"],
             "actual_status": status,
-            "intended_status": "running",
-            "cur_state": "running",
+            "intended_status": "stopped" if inst["_stuck"] else "running",
+            "cur_state": "stopped" if inst["_stuck"] else "running",
+            "status_msg": "Unable to schedule: required resources unavailable" if inst["_stuck"] else None,
             "label": inst["label"],
             "image_uuid": inst["image_uuid"],
             "image_runtype": inst["image_runtype"],
-            "extra_env": inst["extra_env"],
+            "extra_env": [[k, v] for k, v in inst["extra_env"].items()],
             "onstart": inst["onstart"],
             "machine_id": ask["machine_id"],
             "gpu_name": ask["gpu_name"],
