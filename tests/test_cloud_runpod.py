@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from provision.core.config import RunPodProvider, load_config
-from provision.core.errors import NoOfferError
+from provision.core.errors import NoOfferError, ProviderError
 from provision.providers import cloud, runpod
 from provision.providers.base import UpOptions
 from tests.fakes.harness import assert_secret_absent, node_fields, ssh_target, wait_until, write_config
@@ -64,7 +64,8 @@ def test_deploy_input_has_the_documented_shape(project, fake, tmp_path, state_di
     assert sent["containerDiskInGb"] == 200 and sent["volumeInGb"] == 0 and sent["minMemoryInGb"] == 128
     assert sent["cloudType"] == "COMMUNITY" and sent["imageName"] == "ghcr.io/gpuctl/trainer:0.1.0"
     public = (state_dir / "keys" / "rp-t" / "id_ed25519.pub").read_text().strip()
-    assert {"key": "PUBLIC_KEY", "value": public} in sent["env"]
+    assert {"key": "SSH_PUBLIC_KEY", "value": public} in sent["env"]  # RunPod's per-pod key (docs)
+    assert not [e for e in sent["env"] if e["key"] == "PUBLIC_KEY"]  # RunPod's own: the account key
     assert {"key": "GPUCTL_SSHD", "value": "1"} in sent["env"]  # the trainer image starts its sshd
     node = record.nodes[0]
     assert node.instance_id == "fakepod000001" and node.port == fake.ssh.port and node.slots == 3
@@ -109,6 +110,7 @@ def test_graphql_errors_and_unknown_fields_are_clear(fake):
             runpod.DEPLOY,
             {
                 "input": {
+                    "name": "x",
                     "gpuTypeId": "NVIDIA GeForce RTX 4090",
                     "imageName": "x",
                     "cloudType": "ALL",
@@ -116,7 +118,7 @@ def test_graphql_errors_and_unknown_fields_are_clear(fake):
                 }
             },
         )
-    with pytest.raises(Exception, match='Cannot query field "bogus"'):
+    with pytest.raises(ProviderError, match=r"RunPod API error \(HTTP 400\): Cannot query field .bogus. on type .Pod."):
         runpod.gql(client, "query { myself { pods { id bogus } } }")
 
 
@@ -152,3 +154,57 @@ def test_e2e_up_train_self_teardown_down(project, gpuctl, fake, tmp_path, state_
         outputs += [down.stdout, down.stderr]
         assert down.returncode == 0, down.stderr
     assert_secret_absent(fake.key, *outputs, dirs=(state_dir, tmp_path / "node", project))
+
+
+def test_the_cluster_key_goes_in_ssh_public_key_and_the_account_key_stays(project, fake, tmp_path, state_dir):
+    account = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIAccountKeyOfTheUserxxxxxxxxxxxxxxxxxxxx user@laptop"
+    fake.account_key = account  # RunPod injects it as PUBLIC_KEY; gpuctl must not override it
+    _cfg, record = up_in_process(project, fake, tmp_path)  # logged in with the cluster key: reachable
+    pod = fake.pods[record.nodes[0].instance_id]
+    public = (state_dir / "keys" / "rp-t" / "id_ed25519.pub").read_text().strip()
+    assert f"SSH_PUBLIC_KEY={public}" in pod["env"] and f"PUBLIC_KEY={account}" in pod["env"]
+    assert pod["_keys"] == [public, account]  # both in authorized_keys, as the image installs them
+    runpod.BACKEND.down(record, lambda _: None)
+    assert account not in fake.ssh.authorized_keys.read_text()
+
+
+@pytest.mark.parametrize("status", [400, 409])
+def test_a_non_2xx_graphql_capacity_error_is_one_line_with_its_message(project, gpuctl, fake, tmp_path, status):
+    fake.error_status = status
+    write_config(project, provider(fake, tmp_path), name="rp-t")
+    real = fake._deploy
+    fake._deploy = lambda arg, spot: real({**arg, "minMemoryInGb": 999}, spot)  # gone between search and create
+    result = gpuctl("up", "--yes")
+    assert result.returncode == 5, result.stderr
+    lines = [x for x in result.stderr.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1
+    assert f"RunPod has no capacity right now (HTTP {status}): There are no longer any instances available" in lines[0]
+    assert not fake.pods
+
+
+def test_a_5xx_graphql_error_is_retried_then_named(fake, monkeypatch):
+    from provision.providers import http
+
+    monkeypatch.setattr(http, "DEFAULT_RETRY", http.RetryPolicy(attempts=2, first_wait_s=0.01, max_wait_s=0.02))
+    fake.error_status = 500
+    with pytest.raises(ProviderError) as err:
+        runpod.gql(runpod.api(fake.url), runpod.TERMINATE, {"input": {"podId": "nope"}})
+    line = err.value.one_line()
+    assert "RunPod API kept failing on POST /: HTTP 500: pod not found to terminate (2 tries)" in line
+
+
+def test_terminate_of_a_gone_pod_answered_non_2xx_is_done(project, fake, tmp_path):
+    _cfg, record = up_in_process(project, fake, tmp_path)
+    fake.pods.clear()
+    fake.error_status = 404
+    runpod.BACKEND.down(record, lambda _: None)  # "pod not found to terminate" in a 404: already gone
+
+
+def test_the_billed_cost_per_hour_replaces_the_estimate_in_cost_and_cap(project, gpuctl, fake, tmp_path):
+    fake.price_moves = 0.1  # the per-GPU price rose by $0.10 between search and create
+    _cfg, record = up_in_process(project, fake, tmp_path, max_cost=3.0)
+    assert record.price_per_hour == pytest.approx(3 * 0.44)  # the pod's costPerHr, not 3 x 0.34
+    assert record.budget_hours == pytest.approx(3.0 / (3 * 0.44))
+    status = json.loads(gpuctl("status", "--json").stdout)
+    assert status["cluster"]["price_per_hour"] == pytest.approx(1.32)
+    runpod.BACKEND.down(record, lambda _: None)

@@ -4,7 +4,8 @@
 - 429, 5xx and connection failures are retried with jittered exponential backoff (tenacity),
   a bounded number of times, honouring Retry-After; then one clear ProviderError;
 - 401/403 become AuthError naming where the key came from, never the key itself;
-- 404 becomes ApiNotFound so terminate() can treat "already gone" as success.
+- 404 becomes ApiNotFound so terminate() can treat "already gone" as success; another 4xx is
+  ApiRefused with the body's reason (msg/error/detail, or a GraphQL reply's errors[] messages).
 Every message passes through `redact`, so even a server that echoes the key back cannot leak it.
 """
 
@@ -46,6 +47,15 @@ DEFAULT_RETRY = RetryPolicy()
 
 class ApiNotFound(ProviderError):
     """HTTP 404: the thing asked about does not exist (any more)."""
+
+
+class ApiRefused(ProviderError):
+    """Another 4xx: the server understood and said no; `detail` is what its body says why."""
+
+    def __init__(self, message: str, status: int, detail: str):
+        super().__init__(message)
+        self.status = status
+        self.detail = detail
 
 
 class _Transient(Exception):
@@ -170,8 +180,10 @@ class JsonApi:
             raise _Transient(f"HTTP {code}{': ' + detail if detail else ''}", _retry_after(err))
         if code == 404:
             raise ApiNotFound(f"{self.vendor}: {method} {path}: not found{': ' + detail if detail else ''}")
-        raise ProviderError(
-            f"{self.vendor} API refused {method} {path or '/'} (HTTP {code}){': ' + detail if detail else ''}"
+        raise ApiRefused(
+            f"{self.vendor} API refused {method} {path or '/'} (HTTP {code}){': ' + detail if detail else ''}",
+            code,
+            detail,
         )
 
 
@@ -186,6 +198,9 @@ def _error_text(err: urllib.error.HTTPError) -> str:
         return " ".join(raw.split())[:200]
     if isinstance(doc, dict):
         parts = [str(doc[k]) for k in ("msg", "error", "detail", "message") if doc.get(k)]
+        errors = doc.get("errors")  # GraphQL: {"errors": [{"message": ...}, ...]}
+        if isinstance(errors, list):
+            parts += [str(e.get("message", e)) if isinstance(e, dict) else str(e) for e in errors]
         return "; ".join(parts)[:300]
     return ""
 

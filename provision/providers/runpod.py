@@ -1,18 +1,30 @@
-"""Provider `runpod`: RunPod through its GraphQL API (https://api.runpod.io/graphql).
+"""Provider `runpod`: RunPod through its GraphQL API (https://api.runpod.io/graphql), with the
+roots, input types and fields the official client (PyPI `runpod`, runpod/api/) uses; values go
+as GraphQL variables (the client pastes them into the query text), so a name or key is never
+parsed as query syntax. tests/test_cloud_oracle_runpod.py compares the two.
 
 - offers: gpuTypes(input: {id}) { lowestPrice(input: {gpuCount, minMemoryInGb, secureCloud}) }
-  per cloud type; prices are per GPU (uninterruptablePrice on demand, minimumBidPrice spot).
-- create: podFindAndDeployOnDemand(input: {gpuTypeId, gpuCount, imageName, containerDiskInGb,
-  volumeInGb, ports: "22/tcp", supportPublicIp, startSsh, env: [{key, value}], cloudType,
-  minMemoryInGb}) -> id; podRentInterruptable(input: {..., bidPerGpu}) for spot. The pod IS
-  the container; RunPod's images install env PUBLIC_KEY into authorized_keys (the cluster key).
+  per cloud type. uninterruptablePrice (on demand) and minimumBidPrice (spot) are per GPU: the
+  client selects them beside the per-GPU securePrice/communityPrice (runpod/api/queries/gpus.py,
+  generate_gpu_query) and never scales them; the spot input names its bid bidPerGpu (docs
+  "Create Spot Pod": bidPerGpu: 0.2, gpuCount: 1) with minimumBidPrice its floor; dstack's
+  catalog (gpuhunt) prices a pod as gpu_count x the per-GPU price. So an offer is per GPU x
+  gpus_per_node, and once a pod exists its own costPerHr (what RunPod bills the pod) replaces
+  that estimate in the record, so `status` cost and the budget cap follow the bill.
+- create: podFindAndDeployOnDemand(input: {name, imageName, gpuTypeId, gpuCount, cloudType,
+  containerDiskInGb, volumeInGb, minMemoryInGb, ports: "22/tcp", supportPublicIp, startSsh,
+  env: [{key, value}]}) -> id; podRentInterruptable(input: {..., bidPerGpu}) for spot. The pod
+  IS the container. The cluster key goes in env SSH_PUBLIC_KEY, RunPod's documented per-pod key
+  (docs: pods/configuration/override-public-keys); RunPod still injects the account's own key
+  as PUBLIC_KEY, and gpuctl's image installs both (images/entrypoint.sh, sshd with GPUCTL_SSHD=1).
 - ready: pod(input: {podId}) { runtime { ports { ip isIpPublic privatePort publicPort type } } }
   has the public TCP port for 22 (RUNNING is reported while the image still pulls: then an
   SSH banner, cloud.py).
 - terminate: podTerminate(input: {podId}); list: myself { pods { ... } }.
+- errors: a GraphQL reply's errors[] messages, in a 200 or a non-2xx answer, make the one error
+  line; "no longer any instances available" (capacity) is a NoOfferError.
 Auth: `Authorization: Bearer KEY` (not the `?api_key=` query string, which would put the key in
 URLs); key from $RUNPOD_API_KEY or ~/.runpod/config.toml (apikey / api_key).
-All queries send their values as GraphQL variables, never pasted into the query text.
 """
 
 from __future__ import annotations
@@ -26,8 +38,8 @@ from provision.core.config import CloudProvider, RunPodProvider
 from provision.core.errors import NoOfferError, ProviderError
 from provision.core.state import ClusterRecord
 from provision.providers.base import Offer, SelfTeardown
-from provision.providers.cloud import CloudBackend, Instance, http_teardown, node_last
-from provision.providers.http import JsonApi, load_key
+from provision.providers.cloud import CloudBackend, Instance, budget_hours, http_teardown, node_last
+from provision.providers.http import ApiRefused, JsonApi, load_key
 
 API_URL = "https://api.runpod.io/graphql"
 KEY_ENV = "RUNPOD_API_KEY"
@@ -69,17 +81,25 @@ def api(api_url: str | None) -> JsonApi:
 def gql(
     client: JsonApi, query: str, variables: dict[str, Any] | None = None, *, idempotent: bool = True
 ) -> dict[str, Any]:
-    answer = client.request("POST", "", {"query": query, "variables": variables or {}}, idempotent=idempotent) or {}
+    try:
+        answer = client.request("POST", "", {"query": query, "variables": variables or {}}, idempotent=idempotent)
+    except ApiRefused as exc:  # a non-2xx answer: its errors[] say why (capacity, not found, bad query)
+        raise _error(exc.detail or f"HTTP {exc.status}", f" (HTTP {exc.status})") from None
     errors = answer.get("errors") if isinstance(answer, dict) else None
     if errors:
         text = "; ".join(str(e.get("message", e)) if isinstance(e, dict) else str(e) for e in errors)[:300]
-        if NO_CAPACITY.search(text):
-            raise NoOfferError(
-                f"RunPod has no capacity right now: {text}",
-                "retry later, or change provider.gpu / cloud_type / min_ram_gb",
-            )
-        raise ProviderError(f"RunPod API error: {text}")
-    return answer.get("data") or {}
+        raise _error(text)
+    data = answer.get("data") if isinstance(answer, dict) else None
+    return data or {}
+
+
+def _error(text: str, status: str = "") -> ProviderError:
+    if NO_CAPACITY.search(text):
+        return NoOfferError(
+            f"RunPod has no capacity right now{status}: {text}",
+            "retry later, or change provider.gpu / cloud_type / min_ram_gb",
+        )
+    return ProviderError(f"RunPod API error{status}: {text}")
 
 
 def _instance(raw: dict[str, Any]) -> Instance:
@@ -152,7 +172,7 @@ class RunPodBackend(CloudBackend):
                         num_gpus=prov.gpus_per_node,
                         price_per_hour=round(total, 4),
                         ram_gb=prov.min_ram_gb or None,
-                        where=f"{cloud} cloud, stock {price.get('stockStatus') or '?'}",
+                        where=f"{cloud} cloud, ${per_gpu:.3f}/h per GPU, stock {price.get('stockStatus') or '?'}",
                         spot=prov.interruptible,
                     )
                 )
@@ -172,10 +192,10 @@ class RunPodBackend(CloudBackend):
             "ports": "22/tcp",
             "supportPublicIp": True,
             "startSsh": True,
-            # PUBLIC_KEY: RunPod's convention, read by its images and by gpuctl's entrypoint, which
-            # starts sshd with GPUCTL_SSHD=1 (images/entrypoint.sh).
+            # SSH_PUBLIC_KEY: RunPod's documented per-pod key (its account key still comes as
+            # PUBLIC_KEY); gpuctl's entrypoint installs both and starts sshd with GPUCTL_SSHD=1.
             "env": [
-                {"key": "PUBLIC_KEY", "value": public_key},
+                {"key": "SSH_PUBLIC_KEY", "value": public_key},
                 {"key": "GPUCTL_SSHD", "value": "1"},
                 {"key": "GPUCTL_CLUSTER", "value": cluster.name},
             ],
@@ -189,6 +209,11 @@ class RunPodBackend(CloudBackend):
             raise NoOfferError(
                 "RunPod did not deploy a pod (no id returned)", "retry later, or change provider.gpu / cloud_type"
             )
+        billed = data.get("costPerHr")
+        if isinstance(billed, (int, float)) and billed > 0 and abs(billed - offer.price_per_hour) > 0.0005:
+            # what RunPod bills this pod, not our per-GPU x count estimate: cost and cap follow it
+            cluster.price_per_hour = round(cluster.price_per_hour - offer.price_per_hour + billed, 4)
+            cluster.budget_hours = budget_hours(prov, cluster.price_per_hour)
         return str(data["id"])
 
     def describe(self, cluster: ClusterRecord, instance_id: str) -> Instance | None:

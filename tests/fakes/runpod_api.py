@@ -1,116 +1,113 @@
-"""A fake RunPod GraphQL API (POST /graphql), shaped after docs.runpod.io's GraphQL pages and
-the runpod-python SDK's queries:
+"""A fake RunPod GraphQL API (POST /graphql) that runs a real GraphQL server (graphql-core) over
+a schema written from RunPod's GraphQL spec and what the official client (PyPI `runpod`,
+runpod/api/{queries,mutations}/*.py) selects, so gpuctl's queries (values in variables) and the
+client's (values pasted inline) are parsed, validated and executed alike:
 
-- gpuTypes(input: GpuTypeFilter) { id displayName memoryInGb securePrice communityPrice
-  lowestPrice(input: GpuLowestPriceInput) { minimumBidPrice uninterruptablePrice stockStatus } }
-- podFindAndDeployOnDemand(input: PodFindAndDeployOnDemandInput!) / podRentInterruptable(input:
-  PodRentInterruptableInput!) -> Pod; no machine with minMemoryInGb -> the documented error
-  "There are no longer any instances available with the requested specifications...".
-- pod(input: PodFilter!) -> Pod or null; myself { pods { ... } }; podTerminate(input: {podId}).
-- Pod { id name desiredStatus costPerHr ... runtime { uptimeInSeconds ports { ip isIpPublic
-  privatePort publicPort type } } }: runtime is null for `boot_polls` reads (RUNNING while the
-  image pulls), then 22/tcp points at the test sshd. env PUBLIC_KEY goes into authorized_keys,
-  as RunPod's images do, and comes out again when the pod is terminated.
-Only what the client asks through GraphQL variables is understood; a selected field the schema
-lacks, or an input field the input type lacks, is a GraphQL error (as the real server says).
-Auth: Authorization: Bearer KEY or ?api_key=KEY; else HTTP 401.
+- a field the schema lacks, an unknown input field, a missing required one or a wrong type is
+  a GraphQL validation error -> HTTP 400 {"errors": [...]} (as Apollo answers);
+- gpuTypes(input: GpuTypeFilter) { ... lowestPrice(input: GpuLowestPriceInput) {...} }: prices
+  per GPU (uninterruptablePrice = the cloud's price of one GPU); no host with minMemoryInGb or
+  more than maxGpuCount GPUs -> all null;
+- podFindAndDeployOnDemand / podRentInterruptable (bidPerGpu required) -> Pod; no machine with
+  minMemoryInGb -> the documented "There are no longer any instances available..." error;
+  costPerHr = per-GPU price x gpuCount (what the pod is billed);
+- pod(input: PodFilter) -> Pod or null; myself { pods }; podTerminate(input) -> Void ("pod not
+  found to terminate" when gone).
+Pods: runtime is null for `boot_polls` reads (RUNNING while the image pulls), then 22/tcp points
+at the test sshd. The image side is modelled as the contract gpuctl's image honours: the keys in
+env SSH_PUBLIC_KEY (per pod) and PUBLIC_KEY (RunPod puts the account's key there,
+`account_key`) go into authorized_keys, and come out again when the pod is terminated.
+`error_status`: answer resolver errors with this HTTP status instead of 200 (RunPod sometimes
+sends 4xx/5xx with errors[]). Every operation is logged in `ops` (root field, coerced input,
+selected field paths) for the oracle tests. Auth: Bearer KEY or ?api_key=KEY; else 401.
 """
 
 from __future__ import annotations
 
 import itertools
-import re
 from dataclasses import dataclass, field
+
+from graphql import GraphQLError, build_schema, execute, parse, validate
+from graphql.language import FieldNode
 
 from tests.fakes.base import ApiError, FakeApi
 
-POD_FIELDS = {
-    "id",
-    "name",
-    "desiredStatus",
-    "imageName",
-    "costPerHr",
-    "gpuCount",
-    "memoryInGb",
-    "vcpuCount",
-    "containerDiskInGb",
-    "volumeInGb",
-    "env",
-    "uptimeSeconds",
-    "lastStatusChange",
-    "machineId",
-    "podType",
-    "ports",
-    "runtime",
-    "uptimeInSeconds",
-    "ip",
-    "isIpPublic",
-    "privatePort",
-    "publicPort",
-    "type",
-    "gpus",
-    "gpuUtilPercent",
-    "memoryUtilPercent",
-    "machine",
-    "podHostId",
-    "gpuDisplayName",
+SCHEMA = build_schema('''
+scalar Void
+enum CloudTypeEnum { ALL SECURE COMMUNITY }
+
+type Query {
+  gpuTypes(input: GpuTypeFilter): [GpuType]
+  pod(input: PodFilter): Pod
+  myself: User
 }
-GPU_FIELDS = {
-    "id",
-    "displayName",
-    "memoryInGb",
-    "securePrice",
-    "communityPrice",
-    "secureSpotPrice",
-    "communitySpotPrice",
-    "lowestPrice",
-    "minimumBidPrice",
-    "uninterruptablePrice",
-    "stockStatus",
-    "maxGpuCount",
-    "secureCloud",
-    "communityCloud",
-    "minMemory",
-    "minVcpu",
+type Mutation {
+  podFindAndDeployOnDemand(input: PodFindAndDeployOnDemandInput): Pod
+  podRentInterruptable(input: PodRentInterruptableInput!): Pod
+  podTerminate(input: PodTerminateInput!): Void
 }
-ROOTS = {"podFindAndDeployOnDemand", "podRentInterruptable", "podTerminate", "pod", "myself", "pods", "gpuTypes"}
-DEPLOY_INPUT = {
-    "cloudType",
-    "gpuCount",
-    "volumeInGb",
-    "containerDiskInGb",
-    "minVcpuCount",
-    "minMemoryInGb",
-    "gpuTypeId",
-    "name",
-    "imageName",
-    "dockerArgs",
-    "ports",
-    "volumeMountPath",
-    "env",
-    "startSsh",
-    "startJupyter",
-    "supportPublicIp",
-    "dataCenterId",
-    "countryCode",
-    "templateId",
-    "networkVolumeId",
-    "allowedCudaVersions",
-    "minDownload",
-    "minUpload",
-    "cudaVersion",
-    "volumeKey",
+
+input GpuTypeFilter { id: String }
+input GpuLowestPriceInput {
+  gpuCount: Int, minMemoryInGb: Int, minVcpuCount: Int, secureCloud: Boolean, supportPublicIp: Boolean,
+  minDisk: Int, minDownload: Int, minUpload: Int, totalDisk: Int, dataCenterId: String, countryCode: String,
+  minCudaVersion: String
 }
+type LowestPrice {
+  gpuName: String, gpuTypeId: String, minimumBidPrice: Float, uninterruptablePrice: Float,
+  minMemory: Int, minVcpu: Int, stockStatus: String, totalCount: Int, rentedCount: Int
+}
+type GpuType {
+  id: String, displayName: String, manufacturer: String, memoryInGb: Int, cudaCores: Int,
+  maxGpuCount: Int, secureCloud: Boolean, communityCloud: Boolean, securePrice: Float,
+  communityPrice: Float, oneMonthPrice: Float, threeMonthPrice: Float, oneWeekPrice: Float,
+  communitySpotPrice: Float, secureSpotPrice: Float, lowestPrice(input: GpuLowestPriceInput): LowestPrice
+}
+
+input EnvironmentVariableInput { key: String!, value: String! }
+input PodFindAndDeployOnDemandInput {
+  name: String!, imageName: String!, cloudType: CloudTypeEnum!, gpuTypeId: String!, gpuCount: Int,
+  volumeInGb: Int, containerDiskInGb: Int, minVcpuCount: Int, minMemoryInGb: Int, dockerArgs: String,
+  ports: String, volumeMountPath: String, env: [EnvironmentVariableInput], startSsh: Boolean,
+  startJupyter: Boolean, supportPublicIp: Boolean, dataCenterId: String, countryCode: String,
+  templateId: String, networkVolumeId: String, allowedCudaVersions: [String], minDownload: Int,
+  minUpload: Int, cudaVersion: String, volumeKey: String
+}
+input PodRentInterruptableInput {
+  bidPerGpu: Float!, name: String!, imageName: String!, cloudType: CloudTypeEnum!, gpuTypeId: String!,
+  gpuCount: Int, volumeInGb: Int, containerDiskInGb: Int, minVcpuCount: Int, minMemoryInGb: Int,
+  dockerArgs: String, ports: String, volumeMountPath: String, env: [EnvironmentVariableInput],
+  startSsh: Boolean, startJupyter: Boolean, supportPublicIp: Boolean, dataCenterId: String,
+  countryCode: String, templateId: String, networkVolumeId: String, allowedCudaVersions: [String]
+}
+input PodFilter { podId: String! }
+input PodTerminateInput { podId: String! }
+
+type PodRuntimePorts { ip: String, isIpPublic: Boolean, privatePort: Int, publicPort: Int, type: String }
+type PodRuntimeGpus { id: String, gpuUtilPercent: Int, memoryUtilPercent: Int }
+type PodRuntime { uptimeInSeconds: Int, ports: [PodRuntimePorts], gpus: [PodRuntimeGpus] }
+type PodMachine { podHostId: String, gpuDisplayName: String }
+type Pod {
+  id: String, name: String, desiredStatus: String, imageName: String, costPerHr: Float, gpuCount: Int,
+  memoryInGb: Float, vcpuCount: Float, containerDiskInGb: Int, volumeInGb: Float, volumeMountPath: String,
+  env: [String], ports: String, port: Int, dockerArgs: String, dockerId: String, uptimeSeconds: Int,
+  lastStatusChange: String, machineId: String, podType: String, runtime: PodRuntime, machine: PodMachine
+}
+type User { id: String, pods: [Pod] }
+''')
 NO_CAPACITY = (
     "There are no longer any instances available with the requested specifications. Please refresh and try again."
 )
+KEY_VARS = ("SSH_PUBLIC_KEY", "PUBLIC_KEY")  # what gpuctl's image entrypoint installs
 
 
 def gpu_type(id="NVIDIA GeForce RTX 4090", name="RTX 4090", secure=0.69, community=0.34) -> dict:
     return {
         "id": id,
         "displayName": name,
+        "manufacturer": "Nvidia",
         "memoryInGb": 24,
+        "cudaCores": 16384,
         "securePrice": secure,
         "communityPrice": community,
         "secureSpotPrice": round(secure * 0.6, 3),
@@ -122,6 +119,27 @@ def gpu_type(id="NVIDIA GeForce RTX 4090", name="RTX 4090", secure=0.69, communi
 
 
 @dataclass
+class Op:
+    """One GraphQL root field as executed: what the oracle tests compare."""
+
+    root: str
+    input: dict | None
+    fields: set[str]  # selected field paths below the root, aliases resolved
+
+
+def _paths(nodes, prefix: str = "") -> set[str]:
+    out: set[str] = set()
+    for node in nodes:
+        if isinstance(node, FieldNode) and node.selection_set:
+            for child in node.selection_set.selections:
+                if isinstance(child, FieldNode):
+                    path = f"{prefix}{child.name.value}"
+                    out.add(path)
+                    out |= _paths([child], path + ".")
+    return out
+
+
+@dataclass
 class FakeRunPod(FakeApi):
     gpu_types: list[dict] = field(
         default_factory=lambda: [gpu_type(), gpu_type("NVIDIA RTX A6000", "RTX A6000", 0.79, 0.49)]
@@ -130,7 +148,11 @@ class FakeRunPod(FakeApi):
     pods: dict[str, dict] = field(default_factory=dict)
     terminated: list[str] = field(default_factory=list)
     deploy_inputs: list[dict] = field(default_factory=list)
+    ops: list[Op] = field(default_factory=list)
     boot_polls: int = 2
+    account_key: str | None = None  # the key in the account's settings: RunPod injects it as PUBLIC_KEY
+    error_status: int = 200
+    price_moves: float = 0.0  # $/h per GPU added at deploy: the price moved between search and create
 
     def __post_init__(self):
         super().__post_init__()
@@ -146,105 +168,105 @@ class FakeRunPod(FakeApi):
     def handle(self, method: str, path: str, body, query: dict) -> tuple[int, dict]:
         if method != "POST" or path != "/graphql" or not isinstance(body, dict) or "query" not in body:
             raise ApiError(400, {"errors": [{"message": "POST a JSON body with a query to /graphql"}]})
-        text, variables = body["query"], body.get("variables") or {}
         try:
-            self._check_fields(text)
-            return 200, {"data": self._run(text, variables)}
+            document = parse(body["query"])
         except GraphQLError as err:
-            return 200, {"errors": [{"message": str(err), "path": [err.root] if err.root else []}], "data": None}
+            return 400, {"errors": [err.formatted]}
+        invalid = validate(SCHEMA, document)
+        if invalid:
+            return 400, {"errors": [e.formatted for e in invalid]}
+        result = execute(SCHEMA, document, root_value=self, variable_values=body.get("variables") or {})
+        if result.data is None:  # the variables did not fit their types
+            return 400, {"errors": [e.formatted for e in result.errors or []]}
+        if result.errors:
+            return self.error_status, {"errors": [e.formatted for e in result.errors], "data": result.data}
+        return 200, {"data": result.data}
 
-    # a little GraphQL ----------------------------------------------------------------------------
-    def _check_fields(self, text: str) -> None:
-        body = text[text.index("{") :]
-        body = re.sub(r"\([^()]*\)", "", body)  # arguments
-        body = re.sub(r"\b\w+\s*:\s*(?=\w)", "", body)  # aliases
-        for name in re.findall(r"[A-Za-z_]\w*", body):
-            if name not in POD_FIELDS | GPU_FIELDS | ROOTS:
-                raise GraphQLError(f'Cannot query field "{name}".')
+    def _log(self, info, input) -> None:
+        self.ops.append(Op(info.field_name, input, _paths(info.field_nodes)))
 
-    def _run(self, text: str, variables: dict) -> dict:
-        data: dict = {}
-        arg = variables.get("input") or {}
-        if "podFindAndDeployOnDemand" in text:
-            data["podFindAndDeployOnDemand"] = self._deploy(arg, spot=False)
-        elif "podRentInterruptable" in text:
-            data["podRentInterruptable"] = self._deploy(arg, spot=True)
-        elif "podTerminate" in text:
-            pod = self.pods.pop(arg.get("podId"), None)
-            if pod is None:
-                raise GraphQLError("Pod not found", "podTerminate")
-            if self.ssh:
-                self.ssh.remove_key(pod["_public_key"])
-            self.terminated.append(pod["id"])
-            data["podTerminate"] = None
-        elif re.search(r"\bpod\s*\(", text):
-            pod = self.pods.get(arg.get("podId"))
-            data["pod"] = self._view(pod) if pod else None
-        elif "myself" in text:
-            data["myself"] = {"pods": [self._view(p) for p in self.pods.values()]}
-        elif "gpuTypes" in text:
-            data["gpuTypes"] = self._gpu_types(text, variables)
-        else:
-            raise GraphQLError("unknown operation")
-        return data
+    # resolvers: graphql-core calls root_value.<field>(info, **args) -----------------------------
+    def gpuTypes(self, info, input=None):
+        self._log(info, input)
+        wanted = (input or {}).get("id")
+        return [self._gpu_row(g) for g in self.gpu_types if not wanted or g["id"] == wanted]
 
-    def _gpu_types(self, text: str, variables: dict) -> list[dict]:
-        wanted = (variables.get("gpu") or variables.get("input") or {}).get("id")
-        rows = []
-        for gpu in self.gpu_types:
-            if wanted and gpu["id"] != wanted:
-                continue
-            row = dict(gpu)
-            for alias, var in re.findall(r"(\w+)\s*:\s*lowestPrice\s*\(\s*input\s*:\s*\$(\w+)", text):
-                row[alias] = self._lowest(gpu, variables.get(var) or {})
-            rows.append(row)
-        return rows
+    def _gpu_row(self, gpu: dict) -> dict:
+        row = dict(gpu)
+        row["lowestPrice"] = lambda info, input=None: self._lowest(gpu, input or {})
+        return row
 
     def _lowest(self, gpu: dict, want: dict) -> dict:
         secure = want.get("secureCloud", True)
         if (want.get("minMemoryInGb") or 0) > self.host_memory_gb or (want.get("gpuCount") or 1) > gpu["maxGpuCount"]:
             return {"minimumBidPrice": None, "uninterruptablePrice": None, "stockStatus": None}
-        on_demand = gpu["securePrice"] if secure else gpu["communityPrice"]
-        spot = gpu["secureSpotPrice"] if secure else gpu["communitySpotPrice"]
-        return {"minimumBidPrice": spot, "uninterruptablePrice": on_demand, "stockStatus": "High"}
+        return {
+            "gpuTypeId": gpu["id"],
+            "gpuName": gpu["displayName"],
+            "minimumBidPrice": gpu["secureSpotPrice" if secure else "communitySpotPrice"],
+            "uninterruptablePrice": gpu["securePrice" if secure else "communityPrice"],
+            "minMemory": self.host_memory_gb,
+            "minVcpu": 16,
+            "stockStatus": "High",
+        }
 
+    def podFindAndDeployOnDemand(self, info, input=None):
+        self._log(info, input)
+        return self._deploy(input or {}, spot=False)
+
+    def podRentInterruptable(self, info, input):
+        self._log(info, input)
+        return self._deploy(input, spot=True)
+
+    def pod(self, info, input=None):
+        self._log(info, input)
+        pod = self.pods.get((input or {}).get("podId"))
+        return self._view(pod) if pod else None
+
+    def myself(self, info):
+        self._log(info, None)
+        return {"id": "user_fake", "pods": [self._view(p) for p in self.pods.values()]}
+
+    def podTerminate(self, info, input):
+        self._log(info, input)
+        pod = self.pods.pop(input["podId"], None)
+        if pod is None:
+            raise GraphQLError("pod not found to terminate")
+        for key in pod["_keys"]:
+            if self.ssh:
+                self.ssh.remove_key(key)
+        self.terminated.append(pod["id"])
+        return None
+
+    # pods ----------------------------------------------------------------------------------------
     def _deploy(self, arg: dict, spot: bool) -> dict:
-        allowed = DEPLOY_INPUT | ({"bidPerGpu"} if spot else set())
-        root = "podRentInterruptable" if spot else "podFindAndDeployOnDemand"
-        for name in arg:
-            if name not in allowed:
-                raise GraphQLError(f'Field "{name}" is not defined by type "{root[0].upper() + root[1:]}Input".', root)
-        for name in ("gpuTypeId", "imageName", "cloudType") + (("bidPerGpu",) if spot else ()):
-            if not arg.get(name):
-                raise GraphQLError(f'Field "{name}" of required type was not provided.', root)
-        if arg["cloudType"] not in ("ALL", "SECURE", "COMMUNITY"):
-            raise GraphQLError(f'Value "{arg["cloudType"]}" does not exist in "CloudTypeEnum" enum.', root)
-        env = arg.get("env") or []
-        if not all(isinstance(e, dict) and set(e) == {"key", "value"} for e in env):
-            raise GraphQLError("env must be a list of {key, value}", root)
         gpu = next((g for g in self.gpu_types if g["id"] == arg["gpuTypeId"]), None)
         if gpu is None or (arg.get("minMemoryInGb") or 0) > self.host_memory_gb:
-            raise GraphQLError(NO_CAPACITY, root)
+            raise GraphQLError(NO_CAPACITY)
         self.deploy_inputs.append(arg)
         secure = arg["cloudType"] == "SECURE"
-        per_gpu = arg["bidPerGpu"] if spot else gpu["securePrice" if secure else "communityPrice"]
-        public_key = next((e["value"] for e in env if e["key"] == "PUBLIC_KEY"), "")
+        per_gpu = (arg["bidPerGpu"] if spot else gpu["securePrice" if secure else "communityPrice"]) + self.price_moves
+        env = {e["key"]: e["value"] for e in arg.get("env") or []}
+        if self.account_key and "PUBLIC_KEY" not in env:
+            env["PUBLIC_KEY"] = self.account_key
+        keys = [env[k] for k in KEY_VARS if env.get(k)]
         pod = {
             "id": next(self._ids),
-            "name": arg.get("name", ""),
+            "name": arg["name"],
             "imageName": arg["imageName"],
-            "gpuCount": arg.get("gpuCount", 1),
-            "costPerHr": round(per_gpu * arg.get("gpuCount", 1), 3),
-            "env": [f"{e['key']}={e['value']}" for e in env],
+            "gpuCount": arg.get("gpuCount") or 1,
+            "costPerHr": round(per_gpu * (arg.get("gpuCount") or 1), 3),
+            "env": [f"{k}={v}" for k, v in env.items()],
             "ports": arg.get("ports"),
             "containerDiskInGb": arg.get("containerDiskInGb"),
             "volumeInGb": arg.get("volumeInGb"),
             "_reads": 0,
-            "_public_key": public_key,
+            "_keys": keys,
             "_gpu": gpu,
         }
-        if public_key and self.ssh:
-            self.ssh.add_key(public_key)
+        for key in keys:
+            if self.ssh:
+                self.ssh.add_key(key)
         self.pods[pod["id"]] = pod
         return self._view(pod, count=False)
 
@@ -276,9 +298,3 @@ class FakeRunPod(FakeApi):
             machine={"podHostId": f"{pod['id']}-host", "gpuDisplayName": pod["_gpu"]["displayName"]},
         )
         return view
-
-
-class GraphQLError(Exception):
-    def __init__(self, message: str, root: str | None = None):
-        super().__init__(message)
-        self.root = root
