@@ -32,7 +32,7 @@ from graphql.language import FieldNode
 
 from tests.fakes.base import ApiError, FakeApi
 
-SCHEMA = build_schema('''
+SCHEMA = build_schema("""
 scalar Void
 enum CloudTypeEnum { ALL SECURE COMMUNITY }
 
@@ -94,7 +94,7 @@ type Pod {
   lastStatusChange: String, machineId: String, podType: String, runtime: PodRuntime, machine: PodMachine
 }
 type User { id: String, pods: [Pod] }
-''')
+""")
 NO_CAPACITY = (
     "There are no longer any instances available with the requested specifications. Please refresh and try again."
 )
