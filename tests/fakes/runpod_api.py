@@ -197,6 +197,7 @@ class FakeRunPod(FakeApi):
         return row
 
     def _lowest(self, gpu: dict, want: dict) -> dict:
+        self.ops.append(Op("gpuTypes.lowestPrice", want, set()))
         secure = want.get("secureCloud", True)
         if (want.get("minMemoryInGb") or 0) > self.host_memory_gb or (want.get("gpuCount") or 1) > gpu["maxGpuCount"]:
             return {"minimumBidPrice": None, "uninterruptablePrice": None, "stockStatus": None}
