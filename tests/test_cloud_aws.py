@@ -130,11 +130,13 @@ def test_offers_and_no_offer_line(project, gpuctl, ec2, tmp_path, sshd):
     write_config(project, provider(ec2, tmp_path, sshd), name="aws-t")
     shown = gpuctl("offers")
     assert shown.returncode == 0 and "g5.12xlarge" in shown.stdout and "5.672" in shown.stdout
+    assert "A10G" in shown.stdout and "EC2 rents no RTX 4090)" in shown.stdout
     write_config(project, provider(ec2, tmp_path, sshd, min_ram_gb=1024), name="aws-t")
     result = gpuctl("up", "--yes")
     assert result.returncode == 5
     assert (
-        "no aws offer matches (instance_type=g5.12xlarge in us-east-1, >= 4 x A10G, memory>=1024 GB)" in result.stderr
+        "no aws offer matches (instance_type=g5.12xlarge in us-east-1, >= 4 x A10G, memory>=1024 GB; "
+        "EC2 rents no RTX 4090)" in result.stderr
     )
 
 
@@ -204,3 +206,19 @@ def test_e2e_up_train_down(project, gpuctl, ec2, tmp_path, sshd, state_dir):
             assert "step 4/4" in result.stdout
     reservations = ec2.describe_instances(Filters=[{"Name": "tag:gpuctl-cluster", "Values": ["aws-e2e"]}])
     assert [i["State"]["Name"] for r in reservations["Reservations"] for i in r["Instances"]] == ["terminated"]
+
+
+def test_offer_hardware_comes_from_describe_instance_types_and_says_why_a10g(ec2):
+    """moto serves EC2's own instance-type data: no hand-kept GPU table in gpuctl."""
+    info = ec2.describe_instance_types(InstanceTypes=["g5.12xlarge"])["InstanceTypes"][0]
+    gpu = info["GpuInfo"]["Gpus"][0]
+    (offer,) = aws.BACKEND.find_offers(AWSProvider(api_url=ec2.url))
+    assert (offer.gpu_name, offer.num_gpus) == (gpu["Name"], gpu["Count"]) == ("A10G", 4)
+    assert offer.ram_gb == info["MemoryInfo"]["SizeInMiB"] / 1024
+    assert f"{gpu['MemoryInfo']['SizeInMiB'] / 1024:.1f} GiB per GPU" in offer.where
+    assert "EC2 rents no RTX 4090" in aws.BACKEND.filters_text(AWSProvider())
+    assert f"table of {aws.PRICES_AS_OF}" in offer.where and offer.price_per_hour == aws.PRICES["g5.12xlarge"]
+    (l4,) = aws.BACKEND.find_offers(AWSProvider(api_url=ec2.url, instance_type="g6.12xlarge", gpu="L4"))
+    assert (l4.gpu_name, l4.num_gpus) == ("L4", 4)
+    (own,) = aws.BACKEND.find_offers(AWSProvider(api_url=ec2.url, price_per_hour=5.0))
+    assert "price: provider.price_per_hour" in own.where and own.price_per_hour == 5.0

@@ -1,8 +1,10 @@
 """Provider `aws`: EC2 through boto3 (imported only when used).
 
-- offer: the configured instance type (describe_instance_types: GPUs, memory; offered in the
-  region), priced from provider.price_per_hour or the on-demand table below. No 4090s on EC2:
-  4-GPU types are g5.12xlarge (A10G) and g6.12xlarge (L4).
+- offer: the configured instance type; its GPU model, GPU count, GPU memory and host memory
+  come from describe_instance_types (and describe_instance_type_offerings: offered in the
+  region), priced from provider.price_per_hour or, offline fallback, the dated table below.
+  EC2 rents no RTX 4090: the default g5.12xlarge is 4 x A10G (24 GB each), the 4-GPU peer of a
+  3 x 4090 box; g6.12xlarge is 4 x L4. `offers` says so.
 - create: run_instances with the newest AMI named provider.ami_name (describe_images Owners/
   Filters) unless ami_id is given; the cluster's key pair (its public key imported as
   gpuctl-<cluster>; with key_name, that pair plus the cluster key via cloud-init user data); a
@@ -35,7 +37,10 @@ from provision.providers.cloud import CloudBackend, Instance
 TAG = "gpuctl-cluster"
 USER_TAG = "gpuctl-user"
 TEST_SSH_ENV = "GPUCTL_AWS_TEST_SSH"
-# On-demand Linux $/h in us-east-1 (AWS price list, 2024); set provider.price_per_hour for others.
+# Offline fallback only (hardware comes from describe_instance_types): on-demand Linux $/h in
+# us-east-1 from the AWS price list as of PRICES_AS_OF; other regions and later prices: set
+# provider.price_per_hour.
+PRICES_AS_OF = "2024"
 PRICES = {
     "g5.12xlarge": 5.672,
     "g5.24xlarge": 8.144,
@@ -151,7 +156,9 @@ class AWSBackend(CloudBackend):
         assert isinstance(prov, AWSProvider)
         return (
             f"(instance_type={prov.instance_type} in {prov.region}, >= {prov.gpus_per_node} x {prov.gpu}, "
-            f"memory>={prov.min_ram_gb:g} GB" + (f", price<=${prov.max_price}/h" if prov.max_price else "") + ")"
+            f"memory>={prov.min_ram_gb:g} GB"
+            + (f", price<=${prov.max_price}/h" if prov.max_price else "")
+            + "; EC2 rents no RTX 4090)"
         )
 
     def find_offers(self, prov: CloudProvider) -> list[Offer]:
@@ -166,6 +173,7 @@ class AWSBackend(CloudBackend):
             info = client.describe_instance_types(InstanceTypes=[prov.instance_type])["InstanceTypes"][0]
         gpus = (info.get("GpuInfo") or {}).get("Gpus") or [{}]
         count, name = sum(g.get("Count", 0) for g in gpus), gpus[0].get("Name", "none")
+        gpu_gib = (gpus[0].get("MemoryInfo") or {}).get("SizeInMiB", 0) / 1024
         ram_gb = info["MemoryInfo"]["SizeInMiB"] / 1024
         price = prov.price_per_hour or PRICES.get(prov.instance_type)
         if price is None:
@@ -177,15 +185,16 @@ class AWSBackend(CloudBackend):
             return []
         if prov.gpu.lower() not in name.lower():
             return []
+        source = "provider.price_per_hour" if prov.price_per_hour else f"us-east-1 table of {PRICES_AS_OF}"
         return [
             Offer(
                 id=prov.instance_type,
                 gpu_name=name,
-                num_gpus=prov.gpus_per_node,
+                num_gpus=count,
                 price_per_hour=price,
                 ram_gb=ram_gb,
                 disk_gb=prov.disk_gb,
-                where=prov.region,
+                where=f"{prov.region}, {gpu_gib:.1f} GiB per GPU, price: {source}",
             )
         ]
 
