@@ -212,7 +212,7 @@ class RunPodBackend(CloudBackend):
         billed = data.get("costPerHr")
         if isinstance(billed, (int, float)) and billed > 0 and abs(billed - offer.price_per_hour) > 0.0005:
             # what RunPod bills this pod, not our per-GPU x count estimate: cost and cap follow it
-            cluster.price_per_hour = round(cluster.price_per_hour - offer.price_per_hour + billed, 4)
+            cluster.price_per_hour = round((cluster.price_per_hour or 0.0) - offer.price_per_hour + billed, 4)
             cluster.budget_hours = budget_hours(prov, cluster.price_per_hour)
         return str(data["id"])
 
