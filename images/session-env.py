@@ -44,7 +44,9 @@ def session_vars(environ: dict[str, str]) -> dict[str, str]:
     picked = {
         name: value
         for name, value in environ.items()
-        if (name in SESSION_NAMES or name.startswith(SESSION_PREFIXES)) and not SECRET.search(name) and "\n" not in value
+        if (name in SESSION_NAMES or name.startswith(SESSION_PREFIXES))
+        and not SECRET.search(name)
+        and "\n" not in value
     }
     return dict(sorted(picked.items()))
 
