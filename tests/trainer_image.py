@@ -90,8 +90,9 @@ def _stop_orphan(pidfile: Path, data_root: Path) -> None:
             time.sleep(0.2)
 
 
-@pytest.fixture(scope="session")
-def image_engine() -> Iterator[Dockerd]:
+@contextlib.contextmanager
+def locked_engine() -> Iterator[Dockerd]:
+    """The image engine on the persistent data root, this process holding its lock."""
     cache = cache_dir()
     with open(cache / "dockerd.lock", "w") as lock:
         deadline = time.monotonic() + LOCK_WAIT_S
@@ -101,7 +102,7 @@ def image_engine() -> Iterator[Dockerd]:
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    pytest.fail(f"{cache}/dockerd.lock held for {LOCK_WAIT_S} s by another test session")
+                    raise RuntimeError(f"{cache}/dockerd.lock held for {LOCK_WAIT_S} s by another session") from None
                 time.sleep(2)
         data_root = cache / "dockerd"
         _stop_orphan(cache / "dockerd.pid", data_root)
@@ -116,6 +117,12 @@ def image_engine() -> Iterator[Dockerd]:
         finally:
             engine.stop()
             (cache / "dockerd.pid").unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session")
+def image_engine() -> Iterator[Dockerd]:
+    with locked_engine() as engine:
+        yield engine
 
 
 # --- what the build needs -----------------------------------------------------------------------
@@ -235,7 +242,9 @@ class TrainerImage:
         return self.engine.docker("run", "--rm", "--network", "host", self.name, *args, check=check, timeout=timeout)
 
 
-def build_cpu_image(engine: Dockerd, name: str, context: Path | None = None, say=lambda _line: None):
+def build_cpu_image(
+    engine: Dockerd, name: str, context: Path | None = None, say=lambda _line: None, no_cache: bool = False
+):
     """`gpuctl image build --flavour cpu` into engine, from context (default: this source tree)."""
     from provision.core.config import GpuctlConfig
     from provision.flows import build
@@ -250,7 +259,9 @@ def build_cpu_image(engine: Dockerd, name: str, context: Path | None = None, say
             ca_file.write_text(pem + "\n")
         patch = stack.enter_context(pytest.MonkeyPatch.context())
         patch.setenv("DOCKER_HOST", engine.host)
-        opts = build.BuildOptions(flavour="cpu", base=base, torch_index_url=index, network="host", ca_certs=ca_file)
+        opts = build.BuildOptions(
+            flavour="cpu", base=base, torch_index_url=index, network="host", ca_certs=ca_file, no_cache=no_cache
+        )
         built = build.build(cfg, name, opts, say=say)
     engine.docker("image", "prune", "-f", check=False)  # what an earlier build of the tag left behind
     return base, built

@@ -46,6 +46,7 @@ class BuildOptions:
     network: str | None = None  # docker build --network: `host` for an engine without a bridge
     ca_certs: Path | None = None  # PEM file: extra CAs for pip behind a TLS-intercepting proxy
     push: bool = False
+    no_cache: bool = False  # docker build --no-cache: every step runs (a cold build's timing)
     extra_args: dict[str, str] = field(default_factory=dict)
 
 
@@ -84,6 +85,8 @@ def build(cfg: GpuctlConfig, image: str, opts: BuildOptions | None = None, *, sa
     argv = ["docker", "build", "-t", image, "-f", str(context / dockerfile)]
     if opts.network:
         argv += ["--network", opts.network]
+    if opts.no_cache:
+        argv.append("--no-cache")
     for name, value in build_args(opts, context).items():
         argv += ["--build-arg", f"{name}={value}"]
     started = time.monotonic()
