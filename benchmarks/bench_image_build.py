@@ -73,9 +73,16 @@ def main() -> None:
                 rows.append({"what": "base cold", "seconds": timed_base(engine, Path(empty))})
         make_base(engine)  # the cached base exists before the rows below
         rows.append({"what": "base cached", "seconds": timed_base(engine, None)})
+        slowest: list[tuple[float, str]] = []
         if args.cold:
-            _, built = build_cpu_image(engine, NAME, no_cache=True)
+            lines: list[tuple[float, str]] = []
+            _, built = build_cpu_image(
+                engine, NAME, say=lambda line: lines.append((time.monotonic(), line)), no_cache=True
+            )
             rows.append({"what": "cold", "seconds": built.seconds, "cached": f"{built.cached_steps}/{built.steps}"})
+            steps = [(t, line.split(" : ", 1)[1]) for t, line in lines if line.startswith("Step ")]
+            ends = [t for t, _ in steps[1:]] + [lines[-1][0]]
+            slowest = sorted(((end - t, what[:70]) for (t, what), end in zip(steps, ends, strict=True)), reverse=True)
         _, built = build_cpu_image(engine, NAME)
         rows.append({"what": "cached", "seconds": built.seconds, "cached": f"{built.cached_steps}/{built.steps}"})
         size = size_mb(engine, NAME)
@@ -85,6 +92,8 @@ def main() -> None:
             {"what": "trainer edit", "seconds": touched.seconds, "cached": f"{touched.cached_steps}/{touched.steps}"}
         )
         layers = json.loads(engine.docker("inspect", "--format", "{{json .RootFS.Layers}}", NAME).stdout)
+        fmt = "{{.Size}}\t{{json .CreatedBy}}"  # json: a build arg may hold newlines (certificates)
+        history = engine.docker("history", "--no-trunc", "--human=false", "--format", fmt, NAME).stdout.decode()
         engine.docker("rmi", f"{NAME}-touched", NAME, check=False)  # the tests' image and its layers stay
         engine.docker("image", "prune", "-f", check=False)
     cold = next((r["seconds"] for r in rows if r["what"] == "cold"), None)
@@ -93,8 +102,19 @@ def main() -> None:
     for row in rows:
         ratio = f"{row['seconds'] / cold:.3f}" if cold and "cached" in row else ""
         print(f"{row['what']:<14}{row['seconds']:>9.1f}{row.get('cached', ''):>14}{ratio:>9}")
+    print("largest layers:")
+    sized = sorted(
+        ((int(n), json.loads(what)) for n, what in (x.split("\t", 1) for x in history.splitlines())), reverse=True
+    )
+    for size_bytes, created in sized[:5]:
+        print(f"  {size_bytes / 1e6:8.1f} MB  {' '.join(created.split('pipefail -c ')[-1].split())[:70]}")
+    if slowest:
+        print("slowest steps of the cold build:")
+        for seconds, what in slowest[:5]:
+            print(f"  {seconds:7.1f} s  {what}")
     if args.json:
-        args.json.write_text(json.dumps({"size_mb": size, "layers": len(layers), "rows": rows}, indent=2))
+        out = {"size_mb": size, "layers": len(layers), "rows": rows, "slowest": slowest[:8]}
+        args.json.write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

@@ -200,3 +200,26 @@ def test_no_key_and_no_gpuctl_sshd_starts_no_sshd(trainer_image):
     """runtime docker: `docker run IMAGE python ...` on a host with its own sshd."""
     out = trainer_image.run("bash", "-c", "ls /run/sshd.pid /etc/ssh/ssh_host_* 2>/dev/null | wc -l")
     assert out.stdout.strip() == b"0"
+
+
+@pytest.mark.slow
+def test_gpuctl_gpu_check_runs_in_the_image_on_cpu(trainer_image):
+    """benchmarks/gpu_check.py's code path (--cpu-smoke: tiny width, CPU Adam offload, gloo) with
+    the image's torch and prebuilt ops; on a GPU host the same script measures the cuda flavour."""
+    rank = ["-e", "MASTER_ADDR=127.0.0.1", "-e", f"MASTER_PORT={free_port()}", "-e", "RANK=0", "-e", "WORLD_SIZE=1"]
+    argv = ["run", "--rm", "--network", "host", "--shm-size", "1g", "-v", f"{REPO}:/src:ro", "-w", "/src", *rank]
+    argv += [
+        "-e",
+        "LOCAL_RANK=0",
+        trainer_image.name,
+        "python",
+        "benchmarks/gpu_check.py",
+        "--cpu-smoke",
+        "--steps",
+        "3",
+    ]
+    argv += ["--warmup", "1"]
+    out = trainer_image.engine.docker(*argv, check=False, timeout=600)
+    text = out.stdout.decode()
+    assert out.returncode == 0, text[-2000:] + out.stderr.decode()[-2000:]
+    assert "step 3: loss" in text and "measured:" in text
