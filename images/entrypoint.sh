@@ -5,7 +5,9 @@
 # Vast.ai and RunPod create the instance from this image: the container IS the node and needs its
 # own sshd. The key comes in the variables the vendors use: PUBLIC_KEY (RunPod's account keys,
 # the common convention) and SSH_PUBLIC_KEY (RunPod's per-pod key); each may hold several lines.
-# sshd starts when either is set, or with GPUCTL_SSHD=1; GPUCTL_SSHD=0 never starts it.
+# sshd starts when either is set, or with GPUCTL_SSHD=1; GPUCTL_SSHD=0 never starts it. It listens
+# on port GPUCTL_SSHD_PORT (22) of every address, or of GPUCTL_SSHD_LISTEN only (a container on
+# a shared host network, as in the tests: 127.0.0.1).
 # Under `docker run` (runtime docker) neither is set: the host has its own sshd.
 # Host keys are generated here, at start, so no private key is ever baked into an image layer.
 # Vast's SSH runtypes replace this entrypoint with a plain `sshd -D`: the session environment
@@ -37,7 +39,10 @@ if [ "$want_sshd" = 1 ]; then
     if [ -n "$line" ] && ! grep -qxF -- "$line" "$keys"; then printf '%s\n' "$line" >> "$keys"; fi
   done <<< "${PUBLIC_KEY:-}"$'\n'"${SSH_PUBLIC_KEY:-}"
   ssh-keygen -A >/dev/null
-  /usr/sbin/sshd -p "${GPUCTL_SSHD_PORT:-22}" -o PasswordAuthentication=no -o PermitRootLogin=prohibit-password
+  listen=()
+  if [ -n "${GPUCTL_SSHD_LISTEN:-}" ]; then listen=(-o "ListenAddress=${GPUCTL_SSHD_LISTEN}"); fi
+  /usr/sbin/sshd -p "${GPUCTL_SSHD_PORT:-22}" "${listen[@]}" \
+    -o PasswordAuthentication=no -o PermitRootLogin=prohibit-password
 fi
 
 exec "$@"

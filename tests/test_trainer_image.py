@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -153,6 +154,7 @@ def test_entrypoint_starts_sshd_with_either_vendor_key_and_sessions_see_the_imag
     account, pod = keys
     port = free_port()
     env = ["-e", f"PUBLIC_KEY={account.with_suffix('.pub').read_text()}", "-e", f"GPUCTL_SSHD_PORT={port}"]
+    env += ["-e", "GPUCTL_SSHD_LISTEN=127.0.0.1"]  # the host's network: loopback only
     env += ["-e", f"SSH_PUBLIC_KEY={pod.with_suffix('.pub').read_text()}"]
     with container(trainer_image, *env, *VENDOR_ENV, trainer_image.name) as cid:
         wait_for_login(cid, trainer_image, port, account)
@@ -169,6 +171,8 @@ def test_entrypoint_starts_sshd_with_either_vendor_key_and_sessions_see_the_imag
         assert "NCCL_DEBUG" in written.stdout and SECRET not in written.stdout
         authorized = ssh(port, pod, "cat /root/.ssh/authorized_keys").stdout.splitlines()
         assert len(authorized) == 2  # each key once
+        with pytest.raises(ConnectionRefusedError):  # GPUCTL_SSHD_LISTEN: 127.0.0.1 only, not 127.0.0.2
+            socket.create_connection(("127.0.0.2", port), timeout=5).close()
 
 
 @pytest.mark.parametrize("onstart", [False, True], ids=["no-onstart", "onstart-exports-env"])
@@ -180,7 +184,7 @@ def test_plain_sshd_in_place_of_the_entrypoint_still_gives_the_image_env(trainer
     export = "env >> /etc/environment; " if onstart else ""
     boot = (
         f"mkdir -p /run/sshd /root/.ssh && cp /keys/key.pub /root/.ssh/authorized_keys && ssh-keygen -A >/dev/null"
-        f" && {{ {export}true; }} && exec /usr/sbin/sshd -D -e -p {port}"
+        f" && {{ {export}true; }} && exec /usr/sbin/sshd -D -e -p {port} -o ListenAddress=127.0.0.1"
     )
     (tmp_path / "keys").mkdir()
     shutil.copy(account.with_suffix(".pub"), tmp_path / "keys" / "key.pub")

@@ -10,7 +10,7 @@
 - ssh + runtime docker: an SSH host whose docker is the image engine; the launcher runs inside
   `docker run` of the image.
 All containers share the host's network (the engine has no bridge): each instance's sshd gets
-its own loopback port where a vendor would map 22/tcp.
+its own port on 127.0.0.1 where a vendor would map 22/tcp.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from tests.sshd import SSHD
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # the first test may pay for the image build
 VAST_BOOT = (  # what Vast runs in place of the entrypoint for ssh_direct / ssh_proxy
-    'mkdir -p /run/sshd && ssh-keygen -A >/dev/null && { [ -z "$1" ] || bash -c "$1"; } && exec /usr/sbin/sshd -D -e -p "$2"'
+    'mkdir -p /run/sshd && ssh-keygen -A >/dev/null && { [ -z "$1" ] || bash -c "$1"; } && exec /usr/sbin/sshd -D -e -p "$2" -o ListenAddress=127.0.0.1'
 )
 
 
@@ -82,7 +82,8 @@ class BootingRunPod(FakeRunPod):
         pod = super()._deploy(arg, spot)
         env = [a for e in arg.get("env") or [] for a in ("-e", f"{e['key']}={e['value']}")]
         # RunPod maps the container's 22/tcp to a public port; on the host network sshd takes the port itself
-        self.booter.boot(pod["id"], *env, "-e", f"GPUCTL_SSHD_PORT={self.booter.port}", arg["imageName"])
+        port = ["-e", f"GPUCTL_SSHD_PORT={self.booter.port}", "-e", "GPUCTL_SSHD_LISTEN=127.0.0.1"]
+        self.booter.boot(pod["id"], *env, *port, arg["imageName"])
         return pod
 
     def _run(self, text: str, variables: dict) -> dict:

@@ -10,8 +10,8 @@ What goes into it, all from this machine or the package registries, no image reg
 - torch's CPU wheel: `pip download` with this machine's pip configuration (it may reach a mirror
   or find-links where download.pytorch.org is out of reach), served on loopback as a one-package
   index and handed to the build as TORCH_INDEX_URL ($GPUCTL_TORCH_INDEX_URL skips all that)
-- the CA certificates this machine trusts beyond certifi's (a TLS-intercepting proxy), for the
-  build's pip (`--ca-certs`)
+- the CA certificates this machine trusts beyond the public ones (a TLS-intercepting proxy), for
+  the build's pip (`--ca-certs`)
 - `gpuctl image build --flavour cpu --base ... --network host` semantics (the engine has no bridge)
 
 Fixtures (registered by tests/conftest.py's ``pytest_plugins``): ``image_engine`` and
@@ -46,11 +46,11 @@ from tests.helpers import REPO
 
 IMAGE = "gpuctl-trainer:cpu-test"
 BASE_PYTHON = "311"  # python3 of images/make-base.sh's suite (Debian bookworm): the wheel's tag
-LOCK_WAIT_S = 1800
+LOCK_WAIT_S = 1800  # another session building the image: wait for it rather than fail
 # The index URL is a build arg of the torch step, so part of its cache key: serve it on the same
 # port every session (the engine lock keeps sessions apart; below the ephemeral range). If the
 # port is taken, a random one works too, at the price of rebuilding from the torch layer on.
-INDEX_PORT = 18919  # another session building the image: wait for it rather than fail
+INDEX_PORT = 18919
 
 
 def cache_dir() -> Path:
