@@ -3,6 +3,7 @@ The real builds run in tests/test_trainer_image.py."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,41 @@ def test_the_context_module_still_answers_through_flows_image():
 
     assert image.context_files is context.context_files  # callers of the old place keep working
     assert context.source_tree() == Path(REPO)
+
+
+# manylinux tags a Ubuntu 24.04 (glibc 2.39) x86-64 pip accepts, newest first
+CUDA_BASE_PLATFORMS = [f"manylinux_2_{minor}_x86_64" for minor in range(39, 4, -1)] + [
+    "manylinux2014_x86_64",
+    "manylinux2010_x86_64",
+    "manylinux1_x86_64",
+]
+
+
+@pytest.mark.timeout(300)
+def test_cuda_flavour_pins_resolve_together_for_its_python(tmp_path):
+    """The cuda flavour's base cannot be pulled here, so its pip layers cannot run; resolve them
+    instead, as that base's pip would (CPython 3.12, Ubuntu 24.04's glibc): torch's CUDA build
+    with the trainer's pins. DeepSpeed, an sdist built against the installed torch, is left out."""
+    import json
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--ignore-installed"]
+    argv += ["--report", str(tmp_path / "report.json"), "--python-version", "3.12", "--only-binary=:all:"]
+    argv += [arg for platform in CUDA_BASE_PLATFORMS for arg in ("--platform", platform)]
+    argv += ["--target", str(tmp_path / "t"), "-r", str(REPO / "images" / "requirements-torch-cuda.txt")]
+    argv += ["-r", str(REPO / "images" / "requirements-train.txt")]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = {
+        re.sub(r"[-_.]+", "-", i["metadata"]["name"]).lower(): i["metadata"]["version"]
+        for i in json.loads((tmp_path / "report.json").read_text())["install"]
+    }
+    torch_file = (REPO / "images" / "requirements-torch-cuda.txt").read_text()
+    assert got["torch"] == re.search(r"^torch==(\S+)$", torch_file, re.M)[1]
+    cuda = re.search(r"^# cuda: (\S+)$", torch_file, re.M)[1]
+    assert got["nvidia-cuda-runtime-cu12"].startswith(cuda + ".")  # the base image's CUDA
+    for line in (REPO / "images" / "requirements-train.txt").read_text().splitlines():
+        if "==" in line and not line.startswith("#"):
+            name, version = line.split("==")
+            assert got[name.lower()] == version.strip(), name
