@@ -2,7 +2,8 @@
 
 The fixture modules are registered here once: a test asks for ``sshd``, ``fresh_sshd``,
 ``s3_env``, ``s3_server``, ``fresh_bucket``, ``laptop_docker``, ``node_docker``,
-``trainer_image`` ... by argument name and never imports a fixture. Plain helpers come from ``tests.helpers`` and the modules below.
+``trainer_image`` ... by argument name and never imports a fixture. Plain helpers come from
+``tests.helpers`` and the modules below.
 """
 
 from __future__ import annotations
