@@ -1,8 +1,9 @@
 """Shared fixtures. Every test gets its own gpuctl state dir.
 
 The fixture modules are registered here once: a test asks for ``sshd``, ``fresh_sshd``,
-``s3_env``, ``s3_server``, ``fresh_bucket``, ``laptop_docker``, ``node_docker`` ... by argument
-name and never imports a fixture. Plain helpers come from ``tests.helpers`` and the modules below.
+``s3_env``, ``s3_server``, ``fresh_bucket``, ``laptop_docker``, ``node_docker``,
+``trainer_image`` ... by argument name and never imports a fixture. Plain helpers come from
+``tests.helpers`` and the modules below.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 
 from tests.helpers import REPO, Gpuctl
 
-pytest_plugins = ["tests.sshd", "tests.s3server", "tests.dockerd"]
+pytest_plugins = ["tests.sshd", "tests.s3server", "tests.dockerd", "tests.trainer_image"]
 
 # DeepSpeed JIT-compiles its CPU ops once; share the cache across tests and runs.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))

@@ -74,10 +74,16 @@ STDLIB_SKIP = {
 
 
 class Dockerd:
-    def __init__(self, root: Path):
+    """One engine. ``root`` holds its socket and runtime state and is deleted by stop();
+    ``data_root`` (images, layers, build cache) defaults to root/data, and may live elsewhere to
+    outlast the engine (tests/trainer_image.py keeps the image's layer cache between runs)."""
+
+    def __init__(self, root: Path, *, data_root: Path | None = None, storage_driver: str = "vfs"):
         if os.geteuid() != 0 or not os.path.exists(DOCKERD):
             pytest.skip("needs root and dockerd (apt-get install docker.io)")
         self.root = root
+        self.data_root = data_root or root / "data"
+        self.storage_driver = storage_driver
         self.socket = root / "docker.sock"  # unix socket paths must stay under 108 bytes
         self.host = f"unix://{self.socket}"
         self.log = root / "dockerd.log"
@@ -90,12 +96,12 @@ class Dockerd:
     def start(self, timeout: float = 60) -> Dockerd:
         argv = [
             DOCKERD,
-            "--storage-driver=vfs",
+            f"--storage-driver={self.storage_driver}",
             "--bridge=none",
             "--iptables=false",
             "--ip6tables=false",
             "--data-root",
-            str(self.root / "data"),
+            str(self.data_root),
             "--exec-root",
             str(self.root / "exec"),
             "--pidfile",
@@ -138,9 +144,11 @@ class Dockerd:
             self.proc.kill()
             self.proc.wait(timeout=10)
         self.proc = None
-        # dockerd leaves its default netns bind-mounted under the exec root: unmount, then delete
+        # dockerd leaves its default netns bind-mounted under the exec root (and overlay mounts
+        # of crashed containers under the data root): unmount, then delete
+        prefixes = (f"{self.root}/", f"{self.data_root}/")
         with open("/proc/mounts") as fh:
-            mounts = [line.split()[1] for line in fh if line.split()[1].startswith(f"{self.root}/")]
+            mounts = [line.split()[1] for line in fh if line.split()[1].startswith(prefixes)]
         for mount in sorted(mounts, reverse=True):
             subprocess.run(["umount", "-l", mount], capture_output=True, timeout=30)
         shutil.rmtree(self.root, ignore_errors=True)

@@ -194,7 +194,7 @@ def test_build_context_is_the_allow_list():
         "Dockerfile",
         ".dockerignore",
         "images/entrypoint.sh",
-        "images/requirements-torch.txt",
+        "images/requirements-torch-cuda.txt",
         "trainer/__init__.py",
     } <= set(files)
     assert not [f for f in files if f.startswith((".venv/", "provision/", "tests/", ".git/"))]

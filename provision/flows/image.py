@@ -1,4 +1,6 @@
-"""The trainer image: build it here, push it, and ship it to nodes that run it with docker.
+"""The trainer image on nodes that run it with docker: inspect, log in, ship.
+
+Building it here is provision/flows/build.py; its build context is provision/flows/context.py.
 
 How the image reaches a node (config `docker.ship`):
   pull   the node pulls from the registry; a login, when GPUCTL_REGISTRY_USER and
@@ -14,20 +16,18 @@ The laptop's docker is whatever DOCKER_HOST / the default socket points at.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import re
 import subprocess
-import tarfile
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import TYPE_CHECKING
 
 from provision.core.config import CloudProvider, GpuctlConfig, SSHProvider
 from provision.core.errors import ConfigError, GpuctlError, RemoteError
+from provision.flows.context import build_context, context_tar
+from provision.flows.context import context_files as context_files  # re-exported: tests and callers
 from provision.providers.base import DEFAULT_IMAGE
 from provision.transport.remote import CommandResult, LocalNode, Node
 from provision.transport.stream import pipe_into
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 Say = Callable[[str], None]
 USER_ENV, PASSWORD_ENV = "GPUCTL_REGISTRY_USER", "GPUCTL_REGISTRY_PASSWORD"
 CONTEXT_LABEL = "org.gpuctl.context-sha256"
-CHUNK = 1 << 20
+CHUNK = 1 << 20  # bytes per read of a `docker save` stream or a context tar
 DOCKER_FIX = "install Docker on the node and add the SSH user to the `docker` group"
 
 
@@ -115,24 +115,7 @@ def logout(node: Node, image: str) -> None:
     _docker(node, ["logout", *([registry] if registry else [])], check=False, timeout=60)
 
 
-# --- building here --------------------------------------------------------------------------
-
-
-def source_tree() -> Path:
-    return Path(__file__).resolve().parents[2]  # provision/flows/image.py -> the source tree
-
-
-def build_context(cfg: GpuctlConfig) -> tuple[Path, str]:
-    """(context folder, Dockerfile path relative to it) from config `docker`."""
-    context = Path(cfg.docker.context).expanduser() if cfg.docker.context else source_tree()
-    if not context.is_absolute():
-        context = (cfg.base_dir / context).resolve()
-    if not (context / cfg.docker.dockerfile).is_file():
-        raise ConfigError(
-            f"no {cfg.docker.dockerfile} in {context}",
-            "set docker.context to a folder with the Dockerfile (gpuctl's source tree)",
-        )
-    return context, cfg.docker.dockerfile
+# --- naming --------------------------------------------------------------------------------
 
 
 def image_name(cfg: GpuctlConfig, cluster: ClusterRecord | None = None) -> str:
@@ -141,65 +124,6 @@ def image_name(cfg: GpuctlConfig, cluster: ClusterRecord | None = None) -> str:
     prov = cfg.provider
     configured = prov.image if isinstance(prov, (SSHProvider, CloudProvider)) else None
     return configured or DEFAULT_IMAGE
-
-
-def build(cfg: GpuctlConfig, image: str, *, push: bool = False, say: Say = print) -> str:
-    """`docker build` here with the context as is; optionally push. Returns the image ID."""
-    context, dockerfile = build_context(cfg)
-    try:
-        rev = (
-            subprocess.run(
-                ["git", "-C", str(context), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=30
-            ).stdout.strip()
-            or "unknown"
-        )
-    except (OSError, subprocess.SubprocessError):
-        rev = "unknown"  # no git here, or not a checkout
-    from provision import __version__ as version
-
-    argv = [
-        "docker",
-        "build",
-        "-t",
-        image,
-        "-f",
-        str(context / dockerfile),
-        "--build-arg",
-        f"VCS_REF={rev}",
-        "--build-arg",
-        f"GPUCTL_VERSION={version}",
-        str(context),
-    ]
-    _run_here(argv, say)
-    if push:
-        here = LocalNode()
-        logged_in = login(here, image)
-        try:
-            _run_here(["docker", "push", image], say)
-        finally:
-            if logged_in:
-                logout(here, image)
-    found = image_id(LocalNode(), image)
-    if not found:
-        raise GpuctlError(f"docker build finished but {image} is not in the local engine")
-    return found
-
-
-def _run_here(argv: list[str], say: Say) -> None:
-    """Run a local docker command, its output (stdout and stderr, BuildKit's) line by line to say."""
-    try:
-        proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL
-        )
-    except FileNotFoundError:
-        raise GpuctlError("docker is not installed here", "install Docker (apt-get install docker.io)") from None
-    assert proc.stdout is not None  # stdout=PIPE
-    tail: list[str] = []
-    for line in proc.stdout:
-        say(line.rstrip("\n"))
-        tail = (tail + [line.strip()])[-5:]
-    if proc.wait() != 0:
-        raise GpuctlError(f"{' '.join(argv[:2])} failed (exit {proc.returncode}): {' | '.join(tail)[-300:]}")
 
 
 # --- shipping -------------------------------------------------------------------------------
@@ -366,88 +290,3 @@ def _build_on(node: Node, image: str, cfg: GpuctlConfig, say: Say, progress: boo
         argv = ["docker", "build", "-t", image, "--label", f"{CONTEXT_LABEL}={digest}", "-f", dockerfile, "-"]
         sent, _ = _stream(iter(lambda: tar.read(CHUNK), b""), node, argv, size, f"context -> {node.label}", progress)
     return ShipResult(node.label, "built", image_id(node, image), sent, time.monotonic() - started)
-
-
-# --- the build context ----------------------------------------------------------------------
-
-
-_IgnoreRule = tuple[re.Pattern[str], int, bool, str]
-
-
-def _ignore_rules(context: Path) -> list[_IgnoreRule]:
-    """.dockerignore -> (regex, path components, negated, literal prefix), in file order."""
-    path = context / ".dockerignore"
-    rules: list[_IgnoreRule] = []
-    for raw in path.read_text().splitlines() if path.is_file() else []:
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        negate = line.startswith("!")
-        pattern = os.path.normpath(line.lstrip("!").strip()).lstrip("/")
-        regex = "".join(
-            r"(?:.*/)?"
-            if part == "**/"
-            else ".*"
-            if part == "**"
-            else "[^/]*"
-            if part == "*"
-            else "[^/]"
-            if part == "?"
-            else re.escape(part)
-            for part in re.findall(r"\*\*/|\*\*|\*|\?|[^*?]+", pattern)
-        )
-        prefix = re.split(r"[*?\[]", pattern)[0]
-        rules.append((re.compile(regex, re.S), len(pattern.split("/")), negate, prefix))
-    return rules
-
-
-def _ignored(rel: str, rules: list[_IgnoreRule]) -> bool:
-    """Docker's rule: the last pattern matching the path, or one of its parent folders, wins."""
-    parts = rel.split("/")
-    verdict = False
-    for regex, depth, negate, _ in rules:
-        if regex.fullmatch(rel) or (depth < len(parts) and regex.fullmatch("/".join(parts[:depth]))):
-            verdict = not negate
-    return verdict
-
-
-def context_files(context: Path, dockerfile: str) -> list[str]:
-    """Relative paths of the files a `docker build` of context sends, sorted."""
-    rules = _ignore_rules(context)
-    negations = [prefix for *_, negate, prefix in rules if negate]
-    found = {p for p in (dockerfile, ".dockerignore") if (context / p).is_file()}
-    for folder, dirs, files in os.walk(context):
-        base = os.path.relpath(folder, context)
-        base = "" if base == "." else base + "/"
-        # skip an ignored folder unless a `!pattern` could re-include something inside it
-        dirs[:] = [
-            d
-            for d in dirs
-            if not _ignored(base + d, rules)
-            or any(not p or p.startswith(base + d + "/") or (base + d).startswith(p) for p in negations)
-        ]
-        found.update(base + f for f in files if not _ignored(base + f, rules))
-    return sorted(found)
-
-
-def context_tar(context: Path, dockerfile: str, out: IO[bytes]) -> str:
-    """Write the build context as a tar to `out`; return a digest of its contents and modes."""
-    digest = hashlib.sha256()
-    with tarfile.open(fileobj=out, mode="w") as tar:
-        for rel in context_files(context, dockerfile):
-            path = context / rel
-            info = tar.gettarinfo(str(path), arcname=rel)
-            info.uid = info.gid = 0
-            info.mtime = int(info.mtime)  # a float mtime makes a PAX header that docker's tar sniffing rejects
-            info.uname = info.gname = ""
-            digest.update(f"{rel}\0{info.mode & 0o111:o}\0{info.size}\0".encode())
-            if info.isfile():
-                with open(path, "rb") as fh:
-                    tar.addfile(info, fh)
-                with open(path, "rb") as fh:
-                    for block in iter(lambda: fh.read(CHUNK), b""):
-                        digest.update(block)
-            else:
-                tar.addfile(info)
-                digest.update(os.readlink(path).encode() if info.issym() else b"")
-    return digest.hexdigest()
