@@ -15,7 +15,6 @@ import io
 import os
 import re
 import shutil
-import socket
 import subprocess
 import tarfile
 import time
@@ -27,7 +26,7 @@ import pytest
 from provision.providers import vast
 from tests.dockerd import BASE_IMAGE, _ldd
 from tests.fakes.harness import wait_until
-from tests.helpers import REPO
+from tests.helpers import REPO, free_port
 
 pytestmark = pytest.mark.timeout(600)
 TOOLS = ("grep", "cut", "paste", "chmod", "touch", "ssh-keygen")
@@ -46,9 +45,12 @@ VAST_INIT = (
 
 
 def dockerfile_env() -> list[str]:
-    """The trainer image's ENV instructions, verbatim (continuations joined)."""
+    """The trainer image's ENV instructions, verbatim (continuations joined), after the ARG
+    defaults (of the default, cuda, flavour) they refer to."""
     text = (REPO / "Dockerfile").read_text().replace("\\\n", " ")
-    return [line for line in text.splitlines() if line.startswith("ENV ")]
+    lines = text.splitlines()
+    args = [line for line in lines if line.startswith("ARG ") and "=" in line]
+    return args + [line for line in lines if line.startswith("ENV ")]
 
 
 def _add(tar: tarfile.TarFile, path: str) -> None:
@@ -116,12 +118,6 @@ def image(node_docker, tmp_path_factory, client_key) -> str:
     )
     node_docker.docker("build", "-q", "-t", "gpuctl-vast-env:1", str(ctx), timeout=600)
     return "gpuctl-vast-env:1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def login_env(port: int, key: Path, wait_s: float = 60) -> dict[str, str]:
@@ -212,10 +208,6 @@ def test_a_runpod_pod_takes_the_account_key_in_public_key_through_the_real_entry
         node_docker.docker("rm", "-f", container, check=False)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="images/entrypoint.sh installs SSH_PUBLIC_KEY only once the trainer-image change is merged: drop this mark then",
-)
 def test_a_runpod_pod_is_reachable_with_the_cluster_key_in_ssh_public_key(node_docker, image, client_key, tmp_path):
     """What gpuctl sends (SSH_PUBLIC_KEY = the cluster key) beside RunPod's account key (PUBLIC_KEY)."""
     other = tmp_path / "account"

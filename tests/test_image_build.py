@@ -54,10 +54,9 @@ def test_unknown_flavour_is_one_line_from_the_cli(project, gpuctl):
     assert "Traceback" not in result.stderr
 
 
-def test_the_context_module_still_answers_through_flows_image():
-    from provision.flows import context, image
+def test_the_build_context_is_gpuctl_s_own_source_tree():
+    from provision.flows import context
 
-    assert image.context_files is context.context_files  # callers of the old place keep working
     assert context.source_tree() == Path(REPO)
 
 

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from provision.core.config import GpuctlConfig
 from provision.core.errors import ConfigError
 from provision.core.state import ClusterRecord, NodeRecord
-from provision.flows import image, job
+from provision.flows import context, image, job
 from provision.providers.base import resolve_runtime
 from provision.transport.remote import CommandResult, Node
 
@@ -189,7 +189,7 @@ def test_registry_of(ref, registry):
 
 
 def test_build_context_is_the_allow_list():
-    files = image.context_files(REPO, "Dockerfile")
+    files = context.context_files(REPO, "Dockerfile")
     assert {
         "Dockerfile",
         ".dockerignore",
@@ -207,7 +207,7 @@ def test_dockerignore_semantics(tmp_path):
         (ctx / rel).parent.mkdir(parents=True, exist_ok=True)
         (ctx / rel).write_text(rel)
     (ctx / ".dockerignore").write_text("*.log\n**/*.log\nc\n!a/drop.log\n")
-    assert image.context_files(ctx, "Dockerfile") == [".dockerignore", "Dockerfile", "a/drop.log", "a/keep.txt"]
+    assert context.context_files(ctx, "Dockerfile") == [".dockerignore", "Dockerfile", "a/drop.log", "a/keep.txt"]
 
     def digest() -> str:
         with open(tmp_path / "ctx.tar", "wb") as out:

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 from provision.core.config import CloudProvider, GpuctlConfig, SSHProvider
 from provision.core.errors import ConfigError, GpuctlError, RemoteError
 from provision.flows.context import build_context, context_tar
-from provision.flows.context import context_files as context_files  # re-exported: tests and callers
 from provision.providers.base import DEFAULT_IMAGE
 from provision.transport.remote import CommandResult, LocalNode, Node
 from provision.transport.stream import pipe_into
