@@ -39,9 +39,11 @@ from trainer.objstore.backends import (
     ProgressFn,
     StorageError,
     StorageNotFound,
+    UnsafeManifest,
     UploadItem,
     VerificationError,
     _hash_many,
+    digests,
     sha256_file,
 )
 from trainer.objstore.layout import (
@@ -54,8 +56,10 @@ from trainer.objstore.layout import (
     FileEntry,
     check_tag,
     dumps,
+    inside,
     local_files,
-    safe_relpath,
+    manifest_info,
+    marker_files,
     step_from_tag,
 )
 from trainer.objstore.s3 import S3Backend, S3Options
@@ -125,29 +129,26 @@ class CheckpointStore:
             return None
         return obj
 
-    @staticmethod
-    def _info_from_manifest(m: dict[str, Any]) -> CheckpointInfo:
-        files = [FileEntry(p, int(f["size"]), f["sha256"]) for p, f in sorted(m["files"].items())]
-        return CheckpointInfo(
-            tag=m["tag"],
-            step=int(m["step"]),
-            world_size=int(m["world_size"]),
-            num_nodes=int(m["num_nodes"]),
-            complete=True,
-            size=sum(f.size for f in files),
-            time=float(m["time"]),
-            files=files,
-        )
+    def _info_from_manifest(self, m: dict[str, Any], tag: str) -> CheckpointInfo:
+        """The manifest found in folder ``tag``, checked (UnsafeManifest when it is not gpuctl's)."""
+        return manifest_info(m, tag, f"{self.url}/{tag}/{MANIFEST}")
 
     def _incomplete_info(self, tag: str, objs: dict[str, ObjectStat]) -> CheckpointInfo:
         step, nodes = -1, 0
         files: dict[str, dict[str, Any]] = {}
         for key in sorted(k for k in objs if k.startswith(f"{tag}/{NODES_DIR}/")):
             marker = self._read_json(key)
-            if marker:
-                nodes += 1
-                step = max(step, int(marker.get("step", -1)))
-                files.update(marker.get("files", {}))
+            if not marker:
+                continue
+            try:
+                files.update(marker_files(marker, f"{self.url}/{key}"))
+            except UnsafeManifest as exc:
+                self.log(f"ignoring {exc}")
+                continue
+            nodes += 1
+            marker_step = marker.get("step")
+            if isinstance(marker_step, int) and not isinstance(marker_step, bool):
+                step = max(step, marker_step)
         prefix = f"{tag}/"
         data = {
             k[len(prefix) :]: s
@@ -172,19 +173,19 @@ class CheckpointStore:
         by_tag: dict[str, dict[str, ObjectStat]] = {}
         for key, st in objs.items():
             tag, sep, _rest = key.partition("/")
-            if sep:
+            if sep and TAG_RE.match(tag) and tag not in (LATEST, NODES_DIR):  # else not a checkpoint gpuctl writes
                 by_tag.setdefault(tag, {})[key] = st
         infos = []
         for tag, tobjs in by_tag.items():
             manifest = self._read_json(f"{tag}/{MANIFEST}") if f"{tag}/{MANIFEST}" in tobjs else None
-            infos.append(self._info_from_manifest(manifest) if manifest else self._incomplete_info(tag, tobjs))
+            infos.append(self._info_from_manifest(manifest, tag) if manifest else self._incomplete_info(tag, tobjs))
         infos.sort(key=lambda i: (i.step, i.time), reverse=True)
         return infos
 
     def info(self, tag: str) -> CheckpointInfo | None:
         """The complete checkpoint ``tag`` (from its manifest), or None."""
         manifest = self._read_json(f"{check_tag(tag)}/{MANIFEST}")
-        return self._info_from_manifest(manifest) if manifest else None
+        return self._info_from_manifest(manifest, tag) if manifest else None
 
     def latest(self) -> CheckpointInfo | None:
         """The newest complete checkpoint: the one `latest` names, else the newest manifest."""
@@ -210,8 +211,9 @@ class CheckpointStore:
         check_tag(tag)
         t0 = time.monotonic()
         local = local_files(Path(local_tag_dir))
-        hashes = dict(zip(local, _hash_many(list(local.values())), strict=True))
         sizes = {rel: p.stat().st_size for rel, p in local.items()}
+        composites = self._composites(local, sizes)  # before _hash_many: fills its cache on the way
+        hashes = dict(zip(local, _hash_many(list(local.values())), strict=True))
         marker_key = f"{tag}/{NODES_DIR}/{node_rank}.json"
         marker = self._read_json(marker_key) or {}
         recorded = marker.get("files", {})
@@ -229,7 +231,9 @@ class CheckpointStore:
                     continue  # uploaded by an attempt that died before writing the marker
             todo.append(UploadItem(path, key, size, sha))
 
-        new_files = {rel: {"size": sizes[rel], "sha256": hashes[rel]} for rel in local}
+        new_files: dict[str, dict[str, Any]] = {rel: {"size": sizes[rel], "sha256": hashes[rel]} for rel in local}
+        for rel, composite in composites.items():
+            new_files[rel]["s3_sha256"] = composite
         if not todo and marker and recorded == new_files:
             return  # no-op sync
         if f"{tag}/{MANIFEST}" in remote:
@@ -263,6 +267,17 @@ class CheckpointStore:
             len(local) - len(todo),
         )
 
+    def _composites(self, local: dict[str, Path], sizes: dict[str, int]) -> dict[str, str]:
+        """S3's composite checksum of each file that goes up in parts (publish checks the store's)."""
+        parts = {rel: n for rel in local if (n := self.backend.part_size(sizes[rel]))}
+        if not parts:
+            return {}
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=min(4, len(parts))) as pool:
+            found = pool.map(lambda rel: digests(local[rel], parts[rel])[1], list(parts))
+            return {rel: c for rel, c in zip(parts, found, strict=True) if c}
+
     def _unpublish(self, tag: str) -> None:
         """Make a complete checkpoint incomplete (it is about to change), keeping `latest` valid."""
         self.log(f"checkpoint {tag} in {self.url} is being re-uploaded: un-publishing it first")
@@ -293,18 +308,21 @@ class CheckpointStore:
             return False
 
         files: dict[str, dict[str, Any]] = {}
+        composites: dict[str, str | None] = {}
         for rank in range(num_nodes):
-            marker = self._read_json(f"{tag}/{NODES_DIR}/{rank}.json")
+            key = f"{tag}/{NODES_DIR}/{rank}.json"
+            marker = self._read_json(key)
             if marker is None:
                 self.log(f"not publishing {tag}: node {rank}'s marker vanished (re-upload in progress)")
                 return False
-            for rel, f in marker["files"].items():
+            for rel, f in marker_files(marker, f"{self.url}/{key}").items():
                 prev = files.get(rel)
                 if prev and prev["sha256"] != f["sha256"]:
                     raise StorageError(
                         f"checkpoint {tag}: nodes {prev['node']} and {rank} uploaded different contents for {rel}"
                     )
                 files.setdefault(rel, {"size": f["size"], "sha256": f["sha256"], "node": rank})
+                composites.setdefault(rel, f.get("s3_sha256"))
         remote = self.backend.list(f"{tag}/")
         bad = sorted(
             rel for rel, f in files.items() if (st := remote.get(f"{tag}/{rel}")) is None or st.size != f["size"]
@@ -313,6 +331,17 @@ class CheckpointStore:
             raise StorageError(
                 f"checkpoint {tag}: node markers list files that are missing or "
                 f"of the wrong size in {self.url}: {bad[:5]}"
+            )
+        # Size is not enough: the stored bytes must be the ones each node hashed (README's promise).
+        corrupt = sorted(
+            rel
+            for rel, f in files.items()
+            if not self.backend.content_matches(f"{tag}/{rel}", f["size"], f["sha256"], composites[rel])
+        )
+        if corrupt:
+            raise VerificationError(
+                f"checkpoint {tag}: stored files do not match the sha256 their node recorded "
+                f"in {self.url}: {corrupt[:5]}; not publishing it"
             )
         self.backend.write_bytes(
             f"{tag}/{MANIFEST}",
@@ -401,10 +430,10 @@ class CheckpointStore:
 
     def _download_one(self, info: CheckpointInfo, dest: Path, progress: ProgressFn | None) -> None:
         tag_dir = dest / info.tag
+        inside(dest, [tag_dir / f.path for f in info.files])  # before anything is written
         created = not tag_dir.exists()
         remote = self.backend.list(f"{info.tag}/")
         for f in info.files:
-            safe_relpath(f.path)
             st = remote.get(f"{info.tag}/{f.path}")
             if st is None:
                 raise StorageNotFound(f"shard {f.path} is missing")
