@@ -5,6 +5,7 @@ Layout under the state dir (GPUCTL_STATE_DIR, else platformdirs' user state dir)
   runs/<run_id>.json     one RunRecord per run started
   runs/<run_id>/         the rendered bundle as shipped
   lock                   a filelock held while reading-modifying-writing records
+  locks/<name>.lock      held by `up` and `down` of that cluster for their whole run
 Two gpuctl processes at once are safe: every update takes the lock and replaces the file
 with os.replace, so a reader sees the old record or the new one, never half of one.
 """
@@ -22,7 +23,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, Field, ValidationError
 
-from provision.core.errors import ConfigError, NotFoundError, StateError
+from provision.core.errors import ClusterBusy, ConfigError, NotFoundError, StateError
 from trainer.objstore.atomic import atomic_write
 
 STATE_ENV = "GPUCTL_STATE_DIR"
@@ -31,6 +32,7 @@ STATE_ENV = "GPUCTL_STATE_DIR"
 class NodeRecord(BaseModel):
     host: str  # the name used in the hostfile
     address: str = "localhost"  # where SSH reaches it
+    private_address: str | None = None  # where the other nodes reach it (AWS: inside the VPC)
     port: int = 22
     user: str | None = None
     slots: int = 1
@@ -97,6 +99,30 @@ def locked() -> Iterator[Path]:
     root = state_dir()
     with FileLock(str(root / "lock"), timeout=60):
         yield root
+
+
+@contextmanager
+def cluster_lock(name: str, action: str) -> Iterator[None]:
+    """At most one `up` or `down` of a cluster at a time, across processes. A second one is
+    refused at once with one line (a cloud `up` may wait 15 minutes for a node to boot): two
+    `up`s would each create instances and the record of one would orphan the other's."""
+    from filelock import FileLock, Timeout
+
+    _path("clusters", name)  # the name check
+    folder = state_dir() / "locks"
+    folder.mkdir(exist_ok=True)
+    lock = FileLock(str(folder / f"{name}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise ClusterBusy(
+            f"another gpuctl is running `up` or `down` of cluster {name}; not starting `{action}` as well",
+            "wait for it to finish, then `gpuctl status`",
+        ) from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # cluster names, run ids: one file name each

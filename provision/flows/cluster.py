@@ -12,10 +12,16 @@ from provision.providers import backend
 from provision.providers.base import UpOptions
 
 ACTIVE = ("starting", "running")
+STOP_GRACE_S = 20.0  # TERM -> KILL for a run's process group in `down`
 
 
 def up(cfg: GpuctlConfig, opts: UpOptions) -> state.ClusterRecord | None:
-    """Create or connect the cluster; a no-op when it is already up."""
+    """Create or connect the cluster; a no-op when it is already up. One `up` at a time per cluster."""
+    with state.cluster_lock(cfg.cluster_name, "up"):  # find -> create -> save as one step
+        return _up(cfg, opts)
+
+
+def _up(cfg: GpuctlConfig, opts: UpOptions) -> state.ClusterRecord | None:
     existing = state.find_cluster(cfg.cluster_name)
     if existing is not None:
         opts.say(f"cluster {existing.name} is already up ({existing.world_size} ranks)")
@@ -42,11 +48,17 @@ def active_runs(cluster: str) -> list[state.RunRecord]:
     return [r for r in state.list_runs(cluster) if r.state in ACTIVE]
 
 
-def down(name: str, say: Callable[[str], None] = print) -> bool:
+def down(name: str, say: Callable[[str], None] = print, *, grace_s: float = STOP_GRACE_S) -> bool:
     """Stop the cluster's runs, terminate what the provider created, forget the cluster.
 
     Idempotent: a cluster that is already gone is fine. Returns False when nothing was up.
-    """
+    A run that does not stop within grace_s does not keep paid nodes alive: a provider that
+    terminates its nodes ends it that way (and says so)."""
+    with state.cluster_lock(name, "down"):
+        return _down(name, say, grace_s)
+
+
+def _down(name: str, say: Callable[[str], None], grace_s: float) -> bool:
     cluster = state.find_cluster(name)
     if cluster is None:
         say(f"cluster {name} is not up; nothing to do")
@@ -55,7 +67,7 @@ def down(name: str, say: Callable[[str], None] = print) -> bool:
     for run in active_runs(name):
         say(f"stopping run {run.run_id}")
         try:
-            stopped = job.cancel(run)
+            stopped = job.cancel(run, grace_s=grace_s)
         except RemoteError as exc:
             if not provider.terminates_nodes:
                 raise
@@ -63,11 +75,18 @@ def down(name: str, say: Callable[[str], None] = print) -> bool:
             say(f"cannot reach the node of run {run.run_id} ({exc.message}); terminating it ends the run")
             state.update_run(run.run_id, state="lost")
             continue
-        if not stopped:
+        if stopped:
+            continue
+        if not provider.terminates_nodes:  # your own machine: gpuctl will not walk away from a live run
             raise GpuctlError(
                 f"run {run.run_id} on {name} did not stop",
                 f"retry `gpuctl down`, or stop process group {run.pgid} on the node",
             )
+        say(
+            f"run {run.run_id} did not stop within {grace_s:.0f}s of TERM and KILL; "
+            f"terminating its {cluster.provider} node(s) ends it"
+        )
+        state.update_run(run.run_id, state="lost")
     provider.down(cluster, say)
     state.delete_cluster(name)
     from provision.transport.ssh import client_config as sshconfig

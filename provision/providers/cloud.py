@@ -263,7 +263,7 @@ class CloudBackend(ProviderBackend):
         self, prov: CloudProvider, cluster: ClusterRecord, node: NodeRecord, deadline: float, say: Callable[[str], None]
     ) -> None:
         """Vendor says running with an address -> SSH banner -> a command runs -> probe GPUs."""
-        from provision.transport.ssh.connect import ConnectError, wait_for_ssh
+        from provision.transport.ssh.connect import ConnectError, HostKeyRefused, wait_for_ssh
 
         assert node.instance_id is not None  # up() records every node with its instance id
         seen = None
@@ -295,7 +295,7 @@ class CloudBackend(ProviderBackend):
                     home = ssh.home()
                     break
                 except ConnectError as exc:
-                    if time.monotonic() > deadline:
+                    if time.monotonic() > deadline or isinstance(exc, HostKeyRefused):
                         raise
                     say(f"waiting for SSH login: {exc.message}")
                     time.sleep(POLL_S)
