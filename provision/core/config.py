@@ -29,7 +29,7 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
-class UniqueKeyLoader(yaml.SafeLoader):
+class UniqueKeyLoader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML ships no type information
     """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last one
     silently: `max_hours: 1` then `max_hours: 100` would quietly raise a budget cap)."""
 
@@ -39,15 +39,18 @@ class UniqueKeyLoader(yaml.SafeLoader):
             if key_node.tag == "tag:yaml.org,2002:merge":
                 continue
             key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
             try:
-                first = seen.setdefault(key, key_node.start_mark.line + 1)
+                first = seen.get(key)
+                seen[key] = line
             except TypeError:  # an unhashable key; construct_mapping says so itself
                 continue
-            if first != key_node.start_mark.line + 1:
+            if first is not None:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"key {str(key)[:80]!r} appears twice (first on line {first})", key_node.start_mark
                 )
-        return super().construct_mapping(node, deep=deep)
+        mapping: dict[object, object] = super().construct_mapping(node, deep=deep)
+        return mapping
 
 
 class LocalProvider(Strict):

@@ -9,7 +9,7 @@ from provision.core.config import GpuctlConfig, check_batch
 from provision.core.errors import GpuctlError, RemoteError
 from provision.flows import job
 from provision.providers import backend
-from provision.providers.base import UpOptions
+from provision.providers.base import ProviderBackend, UpOptions
 
 ACTIVE = ("starting", "running")
 STOP_GRACE_S = 20.0  # TERM -> KILL for a run's process group in `down`
@@ -27,10 +27,13 @@ def _up(cfg: GpuctlConfig, opts: UpOptions) -> state.ClusterRecord | None:
         opts.say(f"cluster {existing.name} is already up ({existing.world_size} ranks)")
         return existing
     check_batch(cfg.train, planned(cfg).world_size)  # before anything is created
-    record = backend(cfg.provider.kind).up(cfg, opts)
+    provider = backend(cfg.provider.kind)
+    record = provider.up(cfg, opts)
     if record is not None:
         check_batch(cfg.train, record.world_size)
         state.save_cluster(record)
+        if record.budget_hours:
+            _start_guard(record, provider, opts)
         opts.say(f"cluster {record.name} is up: {record.world_size} ranks on {len(record.nodes)} node(s)")
         if record.runtime == "docker":  # the image goes out now, not at the first `train`
             from provision.flows.image import ship_cluster
@@ -42,6 +45,23 @@ def _up(cfg: GpuctlConfig, opts: UpOptions) -> state.ClusterRecord | None:
         if sshconfig.ssh_reachable(record):
             opts.say(sshconfig.include_hint(record))
     return record
+
+
+def _start_guard(record: state.ClusterRecord, provider: ProviderBackend, opts: UpOptions) -> None:
+    """The budget cap's guard on the node; a cluster whose cap cannot hold does not stay up."""
+    from provision.flows import guard
+
+    nodes = provider.nodes(record)
+    try:
+        guard.start(record, provider, nodes, opts.say)
+    except BaseException:  # Ctrl-C included: an unguarded paid node must not be left running
+        opts.say("the budget guard did not start: terminating the new cluster")
+        provider.down(record, opts.say)
+        state.delete_cluster(record.name)
+        raise
+    finally:
+        for node in nodes:
+            node.close()
 
 
 def active_runs(cluster: str) -> list[state.RunRecord]:

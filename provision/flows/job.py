@@ -81,16 +81,12 @@ def bundle_spec(
     # Storage credentials reach the node only through secrets.env (never run.json or argv).
     spec.secrets.update((storage_credentials(cfg.storage, cfg.train.data) if credentials is None else credentials).env)
     spec.secrets.update(secrets_env or {})  # the user's tokens: the same 0600 secrets.env, nowhere else
-    teardown = None
-    if cfg.teardown == "after-train" or cluster.budget_hours:
-        teardown = backend(cluster.provider).self_teardown(cluster)
+    if cluster.budget_hours:  # the cap itself is the node's budget guard, started by `up` (flows/guard.py)
+        budget_left_s(cluster)
+    teardown = backend(cluster.provider).self_teardown(cluster) if cfg.teardown == "after-train" else None
     if teardown:
         spec.secrets.update(teardown.env)
-        if cfg.teardown == "after-train":
-            spec.after_run.append(teardown.argv)
-        if cluster.budget_hours:  # the cap holds even if the run hangs (launch.sh's watchdog)
-            spec.watchdog_s = budget_left_s(cluster)
-            spec.watchdog_run.append(teardown.argv)
+        spec.after_run.append(teardown.argv)
     if cluster.runtime == "docker":  # last: the container gets every secret above by name
         from provision.flows.docker import docker_run_for
 

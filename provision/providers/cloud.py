@@ -85,6 +85,7 @@ class Instance:
     port: int = 22
     user: str = "root"
     label: str = ""
+    private_address: str | None = None  # where the other nodes reach it (AWS: inside the VPC)
 
 
 def http_teardown(python: str, method: str, calls: list[tuple[str, str]], key: str) -> SelfTeardown:
@@ -287,6 +288,7 @@ class CloudBackend(ProviderBackend):
                 )
             time.sleep(POLL_S)
         node.address, node.port, node.user = inst.address, inst.port, inst.user
+        node.private_address = inst.private_address
         wait_for_ssh(inst.address, inst.port, deadline, say=say)
         ssh = self.ssh_node(cluster, node, pin_new=True)
         try:

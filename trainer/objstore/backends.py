@@ -154,7 +154,7 @@ def digests(path: Path, part_size: int | None) -> tuple[str, str | None]:
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
     with _hash_lock:
-        hit, composite = _hash_cache.get(key), _composite_cache.get((*key, part_size or 0))
+        hit, composite = _hash_cache.get(key), _composite_cache.get((key[0], key[1], key[2], part_size or 0))
     if hit is not None and (part_size is None or composite is not None):
         return hit, composite
     whole, parts = hashlib.sha256(), []
@@ -181,7 +181,7 @@ def digests(path: Path, part_size: int | None) -> tuple[str, str | None]:
     with _hash_lock:
         _hash_cache[key] = digest
         if composite is not None:
-            _composite_cache[(*key, part_size or 0)] = composite
+            _composite_cache[(key[0], key[1], key[2], part_size or 0)] = composite
     return digest, composite
 
 
