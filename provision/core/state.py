@@ -33,9 +33,9 @@ class NodeRecord(BaseModel):
     host: str  # the name used in the hostfile
     address: str = "localhost"  # where SSH reaches it
     private_address: str | None = None  # where the other nodes reach it (AWS: inside the VPC)
-    port: int = 22
+    port: int = Field(default=22, ge=1, le=65535)
     user: str | None = None
-    slots: int = 1
+    slots: int = Field(default=1, ge=1, le=1024)
     accelerator: str = "cpu"  # cpu | cuda
     gpu_name: str | None = None
     instance_id: str | None = None
@@ -69,11 +69,11 @@ class RunRecord(BaseModel):
     created_at: float = Field(default_factory=time.time)
     run_dir: str  # on the first node
     bundle_dir: str  # local copy of what was shipped
-    world_size: int
-    train_batch_size: int
-    micro_batch: int
-    grad_accum: int
-    max_steps: int
+    world_size: int = Field(ge=1)
+    train_batch_size: int = Field(ge=1)
+    micro_batch: int = Field(ge=1)
+    grad_accum: int = Field(ge=1)
+    max_steps: int = Field(ge=0)
     accelerator: str = "cpu"  # cpu | cuda, of the first node
     state: str = "starting"
     exit_code: int | None = None
@@ -138,14 +138,16 @@ def _path(kind: str, key: str) -> Path:
 
 def _read(path: Path, model: type[Record]) -> Record:
     """A record from its file; a damaged one is one line naming the file and the field."""
+    fix = "restore the file, or delete it to make gpuctl forget that record"
     try:
-        return model.model_validate_json(path.read_bytes())
+        record = model.model_validate_json(path.read_bytes())
     except ValidationError as err:
         first = err.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or "(the JSON itself)"
-        raise StateError(
-            f"{path}: {field}: {first['msg']}", "restore the file, or delete it to make gpuctl forget that record"
-        ) from None
+        raise StateError(f"{path}: {field}: {first['msg']}", fix) from None
+    if isinstance(record, ClusterRecord) and not record.nodes:  # (`up` builds one node by node; none is saved empty)
+        raise StateError(f"{path}: nodes: a cluster has at least one node", fix)
+    return record
 
 
 def _save(kind: str, key: str, record: BaseModel) -> None:
