@@ -185,6 +185,18 @@ def digests(path: Path, part_size: int | None) -> tuple[str, str | None]:
     return digest, composite
 
 
+def part_checksums(
+    part_size: Callable[[int], int | None], local: dict[str, Path], sizes: dict[str, int]
+) -> dict[str, str]:
+    """S3's composite checksum of each file that goes up in parts (publish checks the store's)."""
+    parts = {rel: n for rel in local if (n := part_size(sizes[rel]))}
+    if not parts:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(4, len(parts))) as pool:
+        found = pool.map(lambda rel: digests(local[rel], parts[rel])[1], list(parts))
+        return {rel: c for rel, c in zip(parts, found, strict=True) if c}
+
+
 def _hash_many(paths: list[Path]) -> list[str]:
     if len(paths) <= 1:
         return [sha256_file(p) for p in paths]

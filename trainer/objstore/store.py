@@ -22,8 +22,6 @@ from __future__ import annotations
 import builtins
 import json
 import logging
-import os
-import shutil
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -32,7 +30,6 @@ from urllib.parse import unquote, urlparse
 
 from trainer.objstore.atomic import atomic_write
 from trainer.objstore.backends import (
-    DownloadItem,
     FileBackend,
     ObjectStat,
     Progress,
@@ -43,9 +40,9 @@ from trainer.objstore.backends import (
     UploadItem,
     VerificationError,
     _hash_many,
-    digests,
-    sha256_file,
+    part_checksums,
 )
+from trainer.objstore.fetch import fetch_tag
 from trainer.objstore.layout import (
     FORMAT,
     LATEST,
@@ -56,7 +53,6 @@ from trainer.objstore.layout import (
     FileEntry,
     check_tag,
     dumps,
-    inside,
     local_files,
     manifest_info,
     marker_files,
@@ -212,7 +208,7 @@ class CheckpointStore:
         t0 = time.monotonic()
         local = local_files(Path(local_tag_dir))
         sizes = {rel: p.stat().st_size for rel, p in local.items()}
-        composites = self._composites(local, sizes)  # before _hash_many: fills its cache on the way
+        composites = part_checksums(self.backend.part_size, local, sizes)  # (fills _hash_many's cache)
         hashes = dict(zip(local, _hash_many(list(local.values())), strict=True))
         marker_key = f"{tag}/{NODES_DIR}/{node_rank}.json"
         marker = self._read_json(marker_key) or {}
@@ -266,17 +262,6 @@ class CheckpointStore:
             dt,
             len(local) - len(todo),
         )
-
-    def _composites(self, local: dict[str, Path], sizes: dict[str, int]) -> dict[str, str]:
-        """S3's composite checksum of each file that goes up in parts (publish checks the store's)."""
-        parts = {rel: n for rel in local if (n := self.backend.part_size(sizes[rel]))}
-        if not parts:
-            return {}
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(max_workers=min(4, len(parts))) as pool:
-            found = pool.map(lambda rel: digests(local[rel], parts[rel])[1], list(parts))
-            return {rel: c for rel, c in zip(parts, found, strict=True) if c}
 
     def _unpublish(self, tag: str) -> None:
         """Make a complete checkpoint incomplete (it is about to change), keeping `latest` valid."""
@@ -411,7 +396,7 @@ class CheckpointStore:
         candidates = [first] + [i for i in complete if i.step < first.step]
         for n, info in enumerate(candidates):
             try:
-                self._download_one(info, dest, progress)
+                fetch_tag(self.backend, info, dest, progress)
             except (VerificationError, StorageNotFound) as exc:
                 nxt = candidates[n + 1].tag if n + 1 < len(candidates) else None
                 if nxt is None:
@@ -427,39 +412,3 @@ class CheckpointStore:
             atomic_write(dest / LATEST, info.tag)
             return info
         raise AssertionError("unreachable")  # the loop returns or raises
-
-    def _download_one(self, info: CheckpointInfo, dest: Path, progress: ProgressFn | None) -> None:
-        tag_dir = dest / info.tag
-        inside(dest, [tag_dir / f.path for f in info.files])  # before anything is written
-        created = not tag_dir.exists()
-        remote = self.backend.list(f"{info.tag}/")
-        for f in info.files:
-            st = remote.get(f"{info.tag}/{f.path}")
-            if st is None:
-                raise StorageNotFound(f"shard {f.path} is missing")
-            if st.size != f.size:
-                raise VerificationError(f"shard {f.path} is {st.size} bytes, manifest says {f.size}")
-        todo = []
-        for f in info.files:
-            local = tag_dir / f.path
-            if local.is_file() and local.stat().st_size == f.size and sha256_file(local) == f.sha256:
-                continue  # already here (a resumed pull)
-            todo.append(DownloadItem(f"{info.tag}/{f.path}", local.with_name(f".tmp-{local.name}"), f.size))
-        prog = Progress(progress, sum(i.size for i in todo))
-        try:
-            self.backend.download_files(todo, prog)
-            by_key = {f"{info.tag}/{f.path}": f for f in info.files}
-            for item in todo:
-                f = by_key[item.key]
-                size = item.dest.stat().st_size
-                if size != f.size or sha256_file(item.dest) != f.sha256:
-                    raise VerificationError(f"shard {f.path} does not match its sha256")
-                os.replace(item.dest, tag_dir / f.path)
-        except (VerificationError, StorageNotFound):
-            if created:
-                shutil.rmtree(tag_dir, ignore_errors=True)
-            raise
-        finally:
-            for item in todo:
-                item.dest.unlink(missing_ok=True)
-        prog.finish()
