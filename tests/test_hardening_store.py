@@ -189,3 +189,21 @@ def test_node_markers_with_unsafe_paths_are_never_published(tmp_path):
         st.publish("step2", 2, world_size=1, num_nodes=1, timeout=1)
     assert not (tmp_path / "bucket" / "step2" / "manifest.json").exists()
     assert [i.tag for i in st.list()] == ["step2"]  # listed as incomplete, its bad marker ignored
+
+
+@pytest.mark.parametrize("size", [3000, 7 << 20], ids=["one-part", "multipart"])
+def test_an_object_replaced_behind_the_marker_goes_up_again(store, tmp_path, size):
+    """A resumed run saves the same tag again: the marker says the stored file is fine, the store
+    says otherwise. The sync uploads it again, so the checkpoint publishes with the true bytes."""
+    settings, raw = store
+    local = tmp_path / "node" / "step4"
+    local.mkdir(parents=True)
+    data = os.urandom(size)
+    (local / "mp_rank_00_model_states.pt").write_bytes(data)
+    st = CheckpointStore.from_config(settings)
+    st.upload_shards(local, "step4", 0, step=4)
+    raw.put("step4/mp_rank_00_model_states.pt", b"\0" * size)
+    st.upload_shards(local, "step4", 0, step=4)
+    assert st.publish("step4", 4, world_size=1, num_nodes=1, timeout=5)
+    st.download("step4", tmp_path / "pulled")
+    assert (tmp_path / "pulled" / "step4" / "mp_rank_00_model_states.pt").read_bytes() == data

@@ -75,7 +75,7 @@ def bundle_spec(
     if len(cluster.nodes) > 1:
         from provision.transport.ssh.mesh import node_ssh_config
 
-        spec.master_addr = first.address
+        spec.master_addr = first.private_address or first.address  # AWS: inside the VPC, where the group admits it
         spec.ssh_port = first.port
         spec.ssh_config = node_ssh_config(first.workdir)  # written by mesh.setup at `up`
     # Storage credentials reach the node only through secrets.env (never run.json or argv).

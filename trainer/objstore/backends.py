@@ -251,7 +251,9 @@ class FileBackend:
     def part_size(self, size: int) -> int | None:
         return None  # files are copied whole
 
-    def content_matches(self, key: str, size: int, sha256: str, composite: str | None) -> bool:
+    def content_matches(
+        self, key: str, size: int, sha256: str, composite: str | None, *, read_back: bool = True
+    ) -> bool:
         """The stored file really holds these bytes (read back and hashed: a local disk)."""
         path = self._path(key)
         try:

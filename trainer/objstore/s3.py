@@ -241,11 +241,14 @@ class S3Backend:
         part: int = ChunksizeAdjuster().adjust_chunksize(self.options.multipart_chunksize, size)
         return part
 
-    def content_matches(self, key: str, size: int, sha256: str, composite: str | None) -> bool:
+    def content_matches(
+        self, key: str, size: int, sha256: str, composite: str | None, *, read_back: bool = True
+    ) -> bool:
         """The stored object holds these bytes: S3's own SHA256 checksum (verified by S3 when it
         received the upload, ChecksumAlgorithm=SHA256) equals the local file's sha256, or for a
-        multipart upload its composite of part digests. A store that keeps no checksum (some
-        S3-compatible servers, objects written by other tools) gets the object read back and hashed."""
+        multipart upload its composite of part digests. An object without a checksum (some
+        S3-compatible servers, objects written by other tools) is read back and hashed; with
+        read_back=False (deciding whether to upload again) its x-amz-meta-sha256 is taken instead."""
         import base64
 
         from botocore import exceptions as bx
@@ -263,6 +266,8 @@ class S3Backend:
         stored = str(resp.get("ChecksumSHA256") or "").split("-")[0]  # AWS: "<b64>-<parts>" when composite
         if stored:
             return stored in (base64.b64encode(bytes.fromhex(sha256)).decode(), composite)
+        if not read_back:
+            return bool(resp.get("Metadata", {}).get("sha256") == sha256)
         return self._read_back_sha256(key) == sha256
 
     def _read_back_sha256(self, key: str) -> str:

@@ -6,13 +6,16 @@ store is first used.
 
 The layout of a store (tags, node markers, manifests, `latest`) is in layout.py.
 
-Upload is incremental: a local file whose (size, sha256) matches this node's marker
-and whose object is listed with that size is skipped, so a no-op sync costs one GET
-(marker) and one LIST. Local hashes are cached on (path, size, mtime_ns). Pruning
-(``keep`` K) removes older checkpoints only after a newer one is complete, manifest
-first. Download verifies every file's size and sha256; on a missing or corrupt file
-it logs a line and falls back to the previous complete checkpoint. It writes
-``dest/<tag>/...`` and ``dest/latest`` (DeepSpeed's load_checkpoint layout).
+Upload is incremental: a local file whose object is listed with its size and whose bytes
+the store vouches for (S3's SHA256 checksum, else the object's sha256 metadata; file://: the
+stored file hashed) is skipped, so a no-op sync costs one GET (marker), one LIST and one HEAD
+per file. Local hashes are cached on (path, size, mtime_ns). Publish counts a checkpoint only
+once every stored file matches its node's sha256 (the store's checksum, or read back). Pruning
+(``keep`` K) removes older checkpoints only after a newer one is complete, manifest first.
+Download (fetch.py) verifies every file's size and sha256; on a missing or corrupt file it
+logs a line and falls back to the previous complete checkpoint. It writes ``dest/<tag>/...``
+and ``dest/latest`` (DeepSpeed's load_checkpoint layout). Manifests and markers read back are
+checked first (layout.py): a hostile one is refused before anything is written.
 
 Progress callbacks are ``progress(bytes_done, bytes_total)``.
 """
@@ -24,6 +27,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -215,17 +219,23 @@ class CheckpointStore:
         recorded = marker.get("files", {})
         remote = self.backend.list(f"{tag}/")
 
-        todo: list[UploadItem] = []
-        for rel, path in local.items():
-            size, sha, key = sizes[rel], hashes[rel], f"{tag}/{rel}"
-            stat = remote.get(key)
-            if stat is not None and stat.size == size:
-                rec = recorded.get(rel)
-                if rec and rec.get("size") == size and rec.get("sha256") == sha:
-                    continue
-                if rec is None and self.backend.head_sha256(key) == sha:
-                    continue  # uploaded by an attempt that died before writing the marker
-            todo.append(UploadItem(path, key, size, sha))
+        # Skip a file only when the store vouches for its bytes (its checksum; a store without one:
+        # the object's sha256 metadata), not on our marker's word: the object may have been replaced
+        # since, and publish would then refuse the checkpoint (one HEAD per file, in parallel).
+        listed = [rel for rel in local if (st := remote.get(f"{tag}/{rel}")) is not None and st.size == sizes[rel]]
+
+        def vouched(rel: str) -> bool:
+            return self.backend.content_matches(
+                f"{tag}/{rel}", sizes[rel], hashes[rel], composites.get(rel), read_back=False
+            )
+
+        with ThreadPoolExecutor(max_workers=max(1, min(16, len(listed)))) as pool:
+            stored = {rel for rel, ok in zip(listed, pool.map(vouched, listed), strict=True) if ok}
+        todo = [
+            UploadItem(path, f"{tag}/{rel}", sizes[rel], hashes[rel])
+            for rel, path in local.items()
+            if rel not in stored
+        ]
 
         new_files: dict[str, dict[str, Any]] = {rel: {"size": sizes[rel], "sha256": hashes[rel]} for rel in local}
         for rel, composite in composites.items():
