@@ -108,9 +108,12 @@ def test_up_creates_what_the_design_says_and_down_removes_it(project, gpuctl, ec
     assert behaviour["InstanceInitiatedShutdownBehavior"]["Value"] == "terminate"
     group = ec2.describe_security_groups(GroupIds=[inst["SecurityGroups"][0]["GroupId"]])["SecurityGroups"][0]
     assert group["GroupName"] == "gpuctl-aws-t"
-    assert [(p["FromPort"], p["ToPort"], [r["CidrIp"] for r in p["IpRanges"]]) for p in group["IpPermissions"]] == [
+    tcp = [p for p in group["IpPermissions"] if p["IpProtocol"] == "tcp"]
+    assert [(p["FromPort"], p["ToPort"], [r["CidrIp"] for r in p["IpRanges"]]) for p in tcp] == [
         (22, 22, ["127.0.0.1/32"])
     ]
+    members = [p for p in group["IpPermissions"] if p["IpProtocol"] == "-1"]  # node to node (pdsh, NCCL)
+    assert [[g["GroupId"] for g in p["UserIdGroupPairs"]] for p in members] == [[group["GroupId"]]]
     pair = ec2.describe_key_pairs(KeyNames=["gpuctl-aws-t"])["KeyPairs"][0]
     assert pair["KeyName"] == "gpuctl-aws-t"
     assert [i.id for i in aws.BACKEND.list_instances(record)] == [node.instance_id]

@@ -310,10 +310,10 @@ def test_budget_cap_tears_the_node_down_even_if_the_run_goes_on(project, gpuctl,
     assert "budget cap 0.9 min = $0.01" in up.stderr
     started = gpuctl("train", "--detach")
     assert started.returncode == 0, started.stderr
-    wait_until(lambda: not fake.instances, 180, "the budget watchdog to delete the node", every=1)
+    wait_until(lambda: not fake.instances, 180, "the budget guard to delete the node", every=1)
     run_dir = next((tmp_path / "node" / "runs").iterdir())
-    log = (run_dir / "job.log").read_text()
-    assert "budget cap reached" in log and "self-teardown accepted" in log
+    log = (tmp_path / "node" / "guard" / "guard.log").read_text()  # the node's guard, started by `up`
+    assert "budget cap reached" in log and "stopped run" in log and "self-teardown accepted" in log
     wait_until(lambda: json.loads((run_dir / "status.json").read_text())["state"] == "cancelled", 60, "the run to stop")
     down = gpuctl("down", "--yes")
     assert down.returncode == 0, down.stderr

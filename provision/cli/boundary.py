@@ -47,6 +47,12 @@ def _storage_error(exc: BaseException) -> GpuctlError | None:
         return ConfigError(f"storage: {exc}", "check the storage credentials (AWS_PROFILE, storage.profile)")
     if _is(exc, backends, "StorageUnavailable"):
         return RemoteError(f"storage: {exc}", "check storage.endpoint_url and the network, then retry")
+    if _is(exc, backends, "UnsafeManifest"):
+        return GpuctlError(
+            f"storage: {exc}",
+            "do not use that checkpoint: gpuctl did not write it that way (every node holds the bucket's "
+            "write key); delete its folder from the store and check who can write there",
+        )
     if _is(exc, backends, "StorageError"):
         return GpuctlError(f"storage: {exc}", "check storage.url and its credentials, then retry")
     return None

@@ -17,18 +17,47 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from provision.core.errors import ConfigError
 
 CONFIG_NAME = "gpuctl.yaml"
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+# secrets.env names gpuctl fills itself (storage credentials, the launcher's own variables)
+RESERVED_SECRETS = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "PATH", "HOME", "PYTHONPATH"}
+MAX_STEPS = 100_000_000  # optimizer steps; a bound far past any run, so no value is absurd
 HOST_RE = re.compile(r"^(?:(?P<user>[A-Za-z0-9._-]+)@)?(?P<host>[A-Za-z0-9.:_-]+?)(?::(?P<port>\d{1,5}))?$")
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: `.inf` / `.nan` in YAML are errors, never a budget cap that never comes.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+class UniqueKeyLoader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML ships no type information
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last one
+    silently: `max_hours: 1` then `max_hours: 100` would quietly raise a budget cap)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[object, object]:
+        seen: dict[object, int] = {}
+        for key_node, _value in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                first = seen.get(key)
+                seen[key] = line
+            except TypeError:  # an unhashable key; construct_mapping says so itself
+                continue
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {str(key)[:80]!r} appears twice (first on line {first})", key_node.start_mark
+                )
+        mapping: dict[object, object] = super().construct_mapping(node, deep=deep)
+        return mapping
 
 
 class LocalProvider(Strict):
     """This machine is the node: GPUs when nvidia-smi sees them, else CPU ranks over gloo."""
 
     kind: Literal["local"] = "local"
-    gpus_per_node: int | None = Field(default=None, ge=1, description="GPUs to use; None = all visible")
+    gpus_per_node: int | None = Field(default=None, ge=1, le=64, description="GPUs to use; None = all visible")
     cpu_ranks: int = Field(default=3, ge=1, le=64, description="ranks to start when there is no GPU")
     python: str | None = Field(default=None, description="interpreter with torch+deepspeed; default: gpuctl's own")
 
@@ -39,7 +68,7 @@ class SSHProvider(Strict):
     kind: Literal["ssh"] = "ssh"
     hosts: list[str] = Field(..., min_length=1, description="user@host:port, one per node")
     identity_file: str | None = Field(default=None, description="private key for the hosts")
-    gpus_per_node: int | None = Field(default=None, ge=1, description="None = what nvidia-smi reports")
+    gpus_per_node: int | None = Field(default=None, ge=1, le=64, description="None = what nvidia-smi reports")
     cpu_ranks: int = Field(default=3, ge=1, le=64, description="ranks per node when a node has no GPU")
     python: str = Field(default="python3", description="interpreter on the node with torch+deepspeed")
     setup: str | None = Field(default=None, description="shell command run on the node before each job")
@@ -75,11 +104,17 @@ class CloudProvider(Strict):
     gpu: str = Field(default="RTX 4090", description="GPU model to rent")
     gpus_per_node: int = Field(default=3, ge=1, le=16)
     nodes: int = Field(default=1, ge=1, le=64)
-    min_ram_gb: float = Field(default=128, ge=0, description="host RAM; 7B + CPU optimizer offload needs >= 128")
-    disk_gb: float = Field(default=200, gt=0)
-    max_price: float | None = Field(default=None, gt=0, description="$/h per node ceiling")
-    max_hours: float | None = Field(default=None, gt=0, description="node tears itself down after this")
-    max_cost: float | None = Field(default=None, gt=0, description="node tears itself down after spending this")
+    min_ram_gb: float = Field(
+        default=128, ge=0, le=65536, description="host RAM; 7B + CPU optimizer offload needs >= 128"
+    )
+    disk_gb: float = Field(default=200, gt=0, le=65536)
+    max_price: float | None = Field(default=None, gt=0, le=10_000, description="$/h per node ceiling")
+    max_hours: float | None = Field(
+        default=None, gt=0, le=24 * 366, description="node tears itself down after this (hours from `up`)"
+    )
+    max_cost: float | None = Field(
+        default=None, gt=0, le=1_000_000, description="node tears itself down after spending this ($)"
+    )
     image: str = Field(default="ghcr.io/gpuctl/trainer:0.1.0", description="container image for the node")
     runtime: Literal["auto", "docker", "image", "none"] = Field(
         default="auto", description="auto: vast/runpod boot the image, aws runs it with docker"
@@ -111,7 +146,7 @@ class RunPodProvider(CloudProvider):
     cloud_type: Literal["SECURE", "COMMUNITY", "ALL"] = "ALL"
     interruptible: bool = False
     bid_per_gpu: float | None = Field(
-        default=None, gt=0, description="spot bid $/h per GPU; default the current minimum"
+        default=None, gt=0, le=1000, description="spot bid $/h per GPU; default the current minimum"
     )
 
 
@@ -132,7 +167,10 @@ class AWSProvider(CloudProvider):
     ssh_user: str = Field(default="ubuntu", description="login user of the AMI")
     ssh_cidr: str | None = Field(default=None, description="who may reach port 22; default your public IP/32")
     price_per_hour: float | None = Field(
-        default=None, gt=0, description="$/h per node for cost and caps; default gpuctl's on-demand table for the type"
+        default=None,
+        gt=0,
+        le=10_000,
+        description="$/h per node for cost and caps; default gpuctl's on-demand table for the type",
     )
 
 
@@ -151,20 +189,20 @@ class TrainConfig(Strict):
     seq_len: int = Field(default=128, ge=8, le=131072)
     micro_batch: int = Field(default=1, ge=1, le=4096)
     grad_accum: int = Field(default=4, ge=1, le=4096)
-    train_batch_size: int | None = Field(default=None, ge=1, description="optional; must equal the product")
+    train_batch_size: int | None = Field(default=None, ge=1, le=1 << 30, description="optional; must equal the product")
     precision: Literal["fp16", "bf16", "fp32"] = "fp32"
     zero_stage: int = Field(default=2, ge=0, le=3)
     offload_optimizer: Literal["none", "cpu"] = "cpu"
     lr: float = Field(default=1e-3, gt=0, le=1)
-    warmup_steps: int = Field(default=0, ge=0)
-    weight_decay: float = Field(default=0.0, ge=0)
-    grad_clip: float = Field(default=1.0, ge=0)
-    max_steps: int = Field(default=30, ge=1)
-    checkpoint_every: int = Field(default=10, ge=0, description="0 = only at the end")
-    keep_local: int = Field(default=2, ge=1, description="checkpoints kept on the node's disk")
-    seed: int = Field(default=1234, ge=0)
+    warmup_steps: int = Field(default=0, ge=0, le=MAX_STEPS)
+    weight_decay: float = Field(default=0.0, ge=0, le=100)
+    grad_clip: float = Field(default=1.0, ge=0, le=1e6)
+    max_steps: int = Field(default=30, ge=1, le=MAX_STEPS)
+    checkpoint_every: int = Field(default=10, ge=0, le=MAX_STEPS, description="0 = only at the end")
+    keep_local: int = Field(default=2, ge=1, le=1000, description="checkpoints kept on the node's disk")
+    seed: int = Field(default=1234, ge=0, le=2**32 - 1)  # numpy and torch seeds
     gradient_checkpointing: bool = False
-    log_every: int = Field(default=1, ge=1)
+    log_every: int = Field(default=1, ge=1, le=MAX_STEPS)
     tensorboard: bool = Field(
         default=False,
         description="DeepSpeed's TensorBoard monitor -> <run dir>/tensorboard/ "
@@ -183,7 +221,7 @@ class StorageConfig(Strict):
     endpoint_url: str | None = Field(default=None, description="S3-compatible endpoint (R2, MinIO)")
     region: str | None = None
     profile: str | None = Field(default=None, description="AWS profile on the laptop")
-    keep: int = Field(default=3, ge=1, description="newest complete checkpoints kept in the store")
+    keep: int = Field(default=3, ge=1, le=1000, description="newest complete checkpoints kept in the store")
 
     @field_validator("url")
     @classmethod
@@ -223,6 +261,12 @@ class GpuctlConfig(Strict):
     teardown: Literal["never", "after-train"] = "never"
     docker: DockerConfig = Field(default_factory=DockerConfig)
     env: dict[str, str] = Field(default_factory=dict, description="extra env for the ranks")
+    secrets: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="names of variables read from the laptop's environment at `train` and given to the "
+        "ranks through the node's 0600 secrets.env only (HF_TOKEN, WANDB_API_KEY): never argv, logs or files",
+    )
 
     # Where the file was read from; relative paths resolve against it.
     base_dir: Path = Field(default_factory=Path.cwd, exclude=True)
@@ -231,9 +275,28 @@ class GpuctlConfig(Strict):
     @classmethod
     def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
         for key in env:
-            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key):
+            if not ENV_NAME.match(key):
                 raise ValueError(f"env name {key!r} is not a valid variable name")
         return env
+
+    @field_validator("secrets")
+    @classmethod
+    def _secret_names(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if not ENV_NAME.match(name):
+                raise ValueError(f"{name[:80]!r} is not a valid variable name")
+            if name.startswith("GPUCTL_") or name in RESERVED_SECRETS:
+                raise ValueError(f"{name} is a name gpuctl sets itself")
+        if len(set(names)) != len(names):
+            raise ValueError("a name is listed twice")
+        return names
+
+    @model_validator(mode="after")
+    def _secrets_not_in_env(self) -> GpuctlConfig:
+        both = sorted(set(self.secrets) & set(self.env))
+        if both:
+            raise ValueError(f"{both[0]} is in both env and secrets; a secret belongs in secrets only")
+        return self
 
     @property
     def cluster_name(self) -> str:
@@ -308,13 +371,15 @@ def load_config(path: Path | None = None) -> GpuctlConfig:
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: byte {exc.start} is not UTF-8 text", "save the file as UTF-8") from None
     try:
-        raw = yaml.safe_load(text) or {}
+        raw = yaml.load(text, Loader=UniqueKeyLoader) or {}
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(
-            f"{path}:{where} is not valid YAML ({getattr(exc, 'problem', exc)})", "fix the YAML syntax"
-        ) from None
+        problem = str(getattr(exc, "problem", None) or exc)
+        fix = "keep one of them" if "appears twice" in problem else "fix the YAML syntax"
+        raise ConfigError(f"{path}:{where} is not valid YAML ({' '.join(problem.split())[:300]})", fix) from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to read", "write the config as plain mappings") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping of keys", "see `gpuctl init`")
     try:

@@ -9,6 +9,8 @@ and no secret. Nothing here prints or raises with a key or token in it.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
@@ -64,3 +66,18 @@ def storage_credentials(storage: StorageConfig, data: str | None = None) -> Stor
     if region:
         env["AWS_DEFAULT_REGION"] = region
     return StorageCredentials(env=env, method=getattr(creds, "method", None), expires=bool(frozen.token))
+
+
+def user_secrets(names: list[str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The values of gpuctl.yaml's `secrets:` names from this shell's environment (for `train`).
+
+    They go to the node only in the run's 0600 secrets.env; a name that is not set is an error
+    rather than an empty token the run would only trip over hours later."""
+    env = os.environ if environ is None else environ
+    missing = [name for name in names if not env.get(name)]
+    if missing:
+        raise ConfigError(
+            f"secrets: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set in this shell",
+            f"export {missing[0]}=... before `gpuctl train`, or remove it from secrets in gpuctl.yaml",
+        )
+    return {name: env[name] for name in names}

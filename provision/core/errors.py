@@ -48,3 +48,9 @@ class AuthError(ProviderError):
 
 class NoOfferError(ProviderError):
     """No rentable machine matches the configured filters."""
+
+
+class ClusterBusy(GpuctlError):
+    """Another gpuctl process is bringing the same cluster up or down."""
+
+    exit_code = 7

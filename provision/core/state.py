@@ -5,6 +5,7 @@ Layout under the state dir (GPUCTL_STATE_DIR, else platformdirs' user state dir)
   runs/<run_id>.json     one RunRecord per run started
   runs/<run_id>/         the rendered bundle as shipped
   lock                   a filelock held while reading-modifying-writing records
+  locks/<name>.lock      held by `up` and `down` of that cluster for their whole run
 Two gpuctl processes at once are safe: every update takes the lock and replaces the file
 with os.replace, so a reader sees the old record or the new one, never half of one.
 """
@@ -22,7 +23,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, Field, ValidationError
 
-from provision.core.errors import ConfigError, NotFoundError, StateError
+from provision.core.errors import ClusterBusy, ConfigError, NotFoundError, StateError
 from trainer.objstore.atomic import atomic_write
 
 STATE_ENV = "GPUCTL_STATE_DIR"
@@ -31,9 +32,10 @@ STATE_ENV = "GPUCTL_STATE_DIR"
 class NodeRecord(BaseModel):
     host: str  # the name used in the hostfile
     address: str = "localhost"  # where SSH reaches it
-    port: int = 22
+    private_address: str | None = None  # where the other nodes reach it (AWS: inside the VPC)
+    port: int = Field(default=22, ge=1, le=65535)
     user: str | None = None
-    slots: int = 1
+    slots: int = Field(default=1, ge=1, le=1024)
     accelerator: str = "cpu"  # cpu | cuda
     gpu_name: str | None = None
     instance_id: str | None = None
@@ -67,11 +69,11 @@ class RunRecord(BaseModel):
     created_at: float = Field(default_factory=time.time)
     run_dir: str  # on the first node
     bundle_dir: str  # local copy of what was shipped
-    world_size: int
-    train_batch_size: int
-    micro_batch: int
-    grad_accum: int
-    max_steps: int
+    world_size: int = Field(ge=1)
+    train_batch_size: int = Field(ge=1)
+    micro_batch: int = Field(ge=1)
+    grad_accum: int = Field(ge=1)
+    max_steps: int = Field(ge=0)
     accelerator: str = "cpu"  # cpu | cuda, of the first node
     state: str = "starting"
     exit_code: int | None = None
@@ -99,6 +101,30 @@ def locked() -> Iterator[Path]:
         yield root
 
 
+@contextmanager
+def cluster_lock(name: str, action: str) -> Iterator[None]:
+    """At most one `up` or `down` of a cluster at a time, across processes. A second one is
+    refused at once with one line (a cloud `up` may wait 15 minutes for a node to boot): two
+    `up`s would each create instances and the record of one would orphan the other's."""
+    from filelock import FileLock, Timeout
+
+    _path("clusters", name)  # the name check
+    folder = state_dir() / "locks"
+    folder.mkdir(exist_ok=True)
+    lock = FileLock(str(folder / f"{name}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise ClusterBusy(
+            f"another gpuctl is running `up` or `down` of cluster {name}; not starting `{action}` as well",
+            "wait for it to finish, then `gpuctl status`",
+        ) from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # cluster names, run ids: one file name each
 Record = TypeVar("Record", ClusterRecord, RunRecord)
 
@@ -112,14 +138,16 @@ def _path(kind: str, key: str) -> Path:
 
 def _read(path: Path, model: type[Record]) -> Record:
     """A record from its file; a damaged one is one line naming the file and the field."""
+    fix = "restore the file, or delete it to make gpuctl forget that record"
     try:
-        return model.model_validate_json(path.read_bytes())
+        record = model.model_validate_json(path.read_bytes())
     except ValidationError as err:
         first = err.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or "(the JSON itself)"
-        raise StateError(
-            f"{path}: {field}: {first['msg']}", "restore the file, or delete it to make gpuctl forget that record"
-        ) from None
+        raise StateError(f"{path}: {field}: {first['msg']}", fix) from None
+    if isinstance(record, ClusterRecord) and not record.nodes:  # (`up` builds one node by node; none is saved empty)
+        raise StateError(f"{path}: nodes: a cluster has at least one node", fix)
+    return record
 
 
 def _save(kind: str, key: str, record: BaseModel) -> None:

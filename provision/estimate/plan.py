@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -44,6 +45,23 @@ from provision.estimate.hardware import (
     zero2_model_states_mem,
     zero3_model_states_mem,
 )
+
+# Input bounds: far beyond any real run, tight enough that no figure overflows or turns NaN.
+INT_LIMITS = {
+    "gpus_per_node": 64,
+    "nodes": 4096,
+    "micro_batch": 65536,
+    "seq_len": 1 << 22,
+    "reduce_bucket_size": 1 << 40,
+}
+FLOAT_LIMITS = {
+    "gpu_mem_gb": (0.001, 4096.0),
+    "cuda_context_gb": (0.0, 1024.0),
+    "fragmentation": (0.0, 10.0),
+    "additional_buffer_factor": (0.0, 100.0),
+    "mfu_low": (0.0, 1.0),
+    "mfu_high": (0.0, 1.0),
+}
 
 
 @dataclass(frozen=True)
@@ -76,6 +94,12 @@ class PlanInput:
         for name in ("gpus_per_node", "nodes", "micro_batch", "seq_len", "reduce_bucket_size"):
             if getattr(self, name) < 1:
                 raise PlanError(f"plan: {name} must be >= 1, got {getattr(self, name)}")
+            if getattr(self, name) > INT_LIMITS[name]:
+                raise PlanError(f"plan: {name} must be <= {INT_LIMITS[name]:,}, got {getattr(self, name)}")
+        for name, (low, high) in FLOAT_LIMITS.items():
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and low <= value <= high):
+                raise PlanError(f"plan: {name} must be a number from {low:g} to {high:g}, got {value}")
         for name, allowed in {
             "zero_stage": (0, 1, 2, 3),
             "offload_optimizer": ("none", "cpu"),

@@ -9,22 +9,31 @@ from provision.core.config import GpuctlConfig, check_batch
 from provision.core.errors import GpuctlError, RemoteError
 from provision.flows import job
 from provision.providers import backend
-from provision.providers.base import UpOptions
+from provision.providers.base import ProviderBackend, UpOptions
 
 ACTIVE = ("starting", "running")
+STOP_GRACE_S = 20.0  # TERM -> KILL for a run's process group in `down`
 
 
 def up(cfg: GpuctlConfig, opts: UpOptions) -> state.ClusterRecord | None:
-    """Create or connect the cluster; a no-op when it is already up."""
+    """Create or connect the cluster; a no-op when it is already up. One `up` at a time per cluster."""
+    with state.cluster_lock(cfg.cluster_name, "up"):  # find -> create -> save as one step
+        return _up(cfg, opts)
+
+
+def _up(cfg: GpuctlConfig, opts: UpOptions) -> state.ClusterRecord | None:
     existing = state.find_cluster(cfg.cluster_name)
     if existing is not None:
         opts.say(f"cluster {existing.name} is already up ({existing.world_size} ranks)")
         return existing
     check_batch(cfg.train, planned(cfg).world_size)  # before anything is created
-    record = backend(cfg.provider.kind).up(cfg, opts)
+    provider = backend(cfg.provider.kind)
+    record = provider.up(cfg, opts)
     if record is not None:
         check_batch(cfg.train, record.world_size)
         state.save_cluster(record)
+        if record.budget_hours:
+            _start_guard(record, provider, opts)
         opts.say(f"cluster {record.name} is up: {record.world_size} ranks on {len(record.nodes)} node(s)")
         if record.runtime == "docker":  # the image goes out now, not at the first `train`
             from provision.flows.image import ship_cluster
@@ -38,15 +47,38 @@ def up(cfg: GpuctlConfig, opts: UpOptions) -> state.ClusterRecord | None:
     return record
 
 
+def _start_guard(record: state.ClusterRecord, provider: ProviderBackend, opts: UpOptions) -> None:
+    """The budget cap's guard on the node; a cluster whose cap cannot hold does not stay up."""
+    from provision.flows import guard
+
+    nodes = provider.nodes(record)
+    try:
+        guard.start(record, provider, nodes, opts.say)
+    except BaseException:  # Ctrl-C included: an unguarded paid node must not be left running
+        opts.say("the budget guard did not start: terminating the new cluster")
+        provider.down(record, opts.say)
+        state.delete_cluster(record.name)
+        raise
+    finally:
+        for node in nodes:
+            node.close()
+
+
 def active_runs(cluster: str) -> list[state.RunRecord]:
     return [r for r in state.list_runs(cluster) if r.state in ACTIVE]
 
 
-def down(name: str, say: Callable[[str], None] = print) -> bool:
+def down(name: str, say: Callable[[str], None] = print, *, grace_s: float = STOP_GRACE_S) -> bool:
     """Stop the cluster's runs, terminate what the provider created, forget the cluster.
 
     Idempotent: a cluster that is already gone is fine. Returns False when nothing was up.
-    """
+    A run that does not stop within grace_s does not keep paid nodes alive: a provider that
+    terminates its nodes ends it that way (and says so)."""
+    with state.cluster_lock(name, "down"):
+        return _down(name, say, grace_s)
+
+
+def _down(name: str, say: Callable[[str], None], grace_s: float) -> bool:
     cluster = state.find_cluster(name)
     if cluster is None:
         say(f"cluster {name} is not up; nothing to do")
@@ -55,7 +87,7 @@ def down(name: str, say: Callable[[str], None] = print) -> bool:
     for run in active_runs(name):
         say(f"stopping run {run.run_id}")
         try:
-            stopped = job.cancel(run)
+            stopped = job.cancel(run, grace_s=grace_s)
         except RemoteError as exc:
             if not provider.terminates_nodes:
                 raise
@@ -63,11 +95,18 @@ def down(name: str, say: Callable[[str], None] = print) -> bool:
             say(f"cannot reach the node of run {run.run_id} ({exc.message}); terminating it ends the run")
             state.update_run(run.run_id, state="lost")
             continue
-        if not stopped:
+        if stopped:
+            continue
+        if not provider.terminates_nodes:  # your own machine: gpuctl will not walk away from a live run
             raise GpuctlError(
                 f"run {run.run_id} on {name} did not stop",
                 f"retry `gpuctl down`, or stop process group {run.pgid} on the node",
             )
+        say(
+            f"run {run.run_id} did not stop within {grace_s:.0f}s of TERM and KILL; "
+            f"terminating its {cluster.provider} node(s) ends it"
+        )
+        state.update_run(run.run_id, state="lost")
     provider.down(cluster, say)
     state.delete_cluster(name)
     from provision.transport.ssh import client_config as sshconfig

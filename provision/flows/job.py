@@ -17,7 +17,7 @@ from typing import Any
 
 from provision.core import state
 from provision.core.config import GpuctlConfig, check_batch
-from provision.core.credentials import StorageCredentials, storage_credentials
+from provision.core.credentials import StorageCredentials, storage_credentials, user_secrets
 from provision.core.errors import ConfigError, GpuctlError, NotFoundError, RemoteError
 from provision.flows.render import BundleNode, BundleSpec, render_bundle
 from provision.providers import backend
@@ -56,8 +56,10 @@ def bundle_spec(
     resume: str | None = None,
     *,
     credentials: StorageCredentials | None = None,
+    secrets_env: dict[str, str] | None = None,
 ) -> BundleSpec:
-    """credentials: the node's storage credentials (default: resolved now from boto3's chain)."""
+    """credentials: the node's storage credentials (default: resolved now from boto3's chain);
+    secrets_env: the values of gpuctl.yaml's `secrets:` (train reads them; render leaves them out)."""
     first = cluster.nodes[0]
     prov = cfg.provider
     spec = BundleSpec(
@@ -73,21 +75,18 @@ def bundle_spec(
     if len(cluster.nodes) > 1:
         from provision.transport.ssh.mesh import node_ssh_config
 
-        spec.master_addr = first.address
+        spec.master_addr = first.private_address or first.address  # AWS: inside the VPC, where the group admits it
         spec.ssh_port = first.port
         spec.ssh_config = node_ssh_config(first.workdir)  # written by mesh.setup at `up`
     # Storage credentials reach the node only through secrets.env (never run.json or argv).
     spec.secrets.update((storage_credentials(cfg.storage, cfg.train.data) if credentials is None else credentials).env)
-    teardown = None
-    if cfg.teardown == "after-train" or cluster.budget_hours:
-        teardown = backend(cluster.provider).self_teardown(cluster)
+    spec.secrets.update(secrets_env or {})  # the user's tokens: the same 0600 secrets.env, nowhere else
+    if cluster.budget_hours:  # the cap itself is the node's budget guard, started by `up` (flows/guard.py)
+        budget_left_s(cluster)
+    teardown = backend(cluster.provider).self_teardown(cluster) if cfg.teardown == "after-train" else None
     if teardown:
         spec.secrets.update(teardown.env)
-        if cfg.teardown == "after-train":
-            spec.after_run.append(teardown.argv)
-        if cluster.budget_hours:  # the cap holds even if the run hangs (launch.sh's watchdog)
-            spec.watchdog_s = budget_left_s(cluster)
-            spec.watchdog_run.append(teardown.argv)
+        spec.after_run.append(teardown.argv)
     if cluster.runtime == "docker":  # last: the container gets every secret above by name
         from provision.flows.docker import docker_run_for
 
@@ -108,7 +107,7 @@ def start_run(
             f"warning: the storage credentials ({credentials.method or 'session'}) are temporary; the node "
             "cannot refresh them, so uploads fail once they expire (use long-lived keys for long runs)"
         )
-    spec = bundle_spec(cfg, cluster, run_id, resume, credentials=credentials)
+    spec = bundle_spec(cfg, cluster, run_id, resume, credentials=credentials, secrets_env=user_secrets(cfg.secrets))
     bundle = render_bundle(cfg, spec, state.state_dir() / "runs" / run_id)
     nodes = backend(cluster.provider).nodes(cluster)
     try:

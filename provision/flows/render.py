@@ -64,10 +64,6 @@ class BundleSpec:
     after_run: list[list[str]] = field(default_factory=list)
     secrets: dict[str, str] = field(default_factory=dict)
     launcher_prefix: list[str] = field(default_factory=list)  # e.g. a `docker run ...` wrapper
-    # Budget cap: launch.sh starts a watchdog that, after watchdog_s seconds, stops the run and
-    # runs watchdog_run (the node's self-teardown) even if the run hangs. None: no watchdog.
-    watchdog_s: int | None = None
-    watchdog_run: list[list[str]] = field(default_factory=list)
     # Multi-node: the first node's ssh config pdsh uses to reach every node (provision/mesh.py):
     # per-node Port/User/key and pinned host keys, so no --ssh_port and no DeepSpeed ssh check.
     ssh_config: str | None = None
@@ -175,8 +171,6 @@ def render_bundle(cfg: GpuctlConfig, spec: BundleSpec, out_dir: Path) -> Path:
         launcher=launcher_argv(spec),
         script=["--module", "trainer", "run.json"],
         after_run=spec.after_run,
-        watchdog_s=spec.watchdog_s,
-        watchdog_run=spec.watchdog_run,
         ssh_config=spec.ssh_config if len(spec.nodes) > 1 else None,
     )
     jinja = template_env(cfg.base_dir)

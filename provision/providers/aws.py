@@ -9,19 +9,23 @@
   Filters) unless ami_id is given; the cluster's key pair (its public key imported as
   gpuctl-<cluster>; with key_name, that pair plus the cluster key via cloud-init user data); a
   security group gpuctl-<cluster> opening 22 to provider.ssh_cidr only (default: your public
-  IP/32); InstanceInitiatedShutdownBehavior="terminate" so `shutdown -h now` on the node ends
-  it (self-teardown, budget cap); tags gpuctl-cluster=<name> on instance and volume.
+  IP/32) and every port to the group's own members (pdsh and NCCL between nodes, over their
+  private addresses); InstanceInitiatedShutdownBehavior="terminate" so `shutdown -h now` on the
+  node ends it (self-teardown, budget cap; `shutdown -h +N` is the cap's backstop on every
+  node); tags gpuctl-cluster=<name> on instance and volume.
 - ready: running with a public IP (polled to a deadline), then an SSH banner (cloud.py).
 - terminate: terminate_instances; list: describe_instances by tag; the group and key pair go
   once the instances are terminated.
 Throttling and 5xx are retried by botocore (standard mode, bounded); other errors become one
 line. Test-only: $GPUCTL_AWS_TEST_SSH=host:port replaces the instances' SSH address (moto's
-instances run no sshd).
+instances run no sshd); $GPUCTL_AWS_TEST_SHUTDOWN replaces `shutdown` (the test's node is the
+test machine itself).
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -30,13 +34,14 @@ from typing import Any, TypeVar
 
 from provision.core.config import AWSProvider, CloudProvider
 from provision.core.errors import AuthError, ConfigError, NoOfferError, ProviderError
-from provision.core.state import ClusterRecord
+from provision.core.state import ClusterRecord, NodeRecord
 from provision.providers.base import Offer, SelfTeardown
 from provision.providers.cloud import CloudBackend, Instance
 
 TAG = "gpuctl-cluster"
 USER_TAG = "gpuctl-user"
 TEST_SSH_ENV = "GPUCTL_AWS_TEST_SSH"
+TEST_SHUTDOWN_ENV = "GPUCTL_AWS_TEST_SHUTDOWN"  # tests: a stand-in for `shutdown` (their "node" is this machine)
 # Offline fallback only (hardware comes from describe_instance_types): on-demand Linux $/h in
 # us-east-1 from the AWS price list as of PRICES_AS_OF; other regions and later prices: set
 # provider.price_per_hour.
@@ -141,6 +146,15 @@ def caller_cidr() -> str:
     return f"{ip}/32"
 
 
+def shutdown_argv(user: str | None, when: str) -> list[str]:
+    """`shutdown -h WHEN` as the node's login user runs it (sudo -n unless root)."""
+    test = os.environ.get(TEST_SHUTDOWN_ENV)
+    if test:
+        return [test, "-h", when]
+    sudo = [] if (user or "root") == "root" else ["sudo", "-n"]
+    return [*sudo, "shutdown", "-h", when]
+
+
 def _tags(cluster: str, extra: dict[str, str] | None = None) -> list[dict[str, str]]:
     tags = {TAG: cluster, "Name": f"gpuctl-{cluster}", **(extra or {})}
     return [{"Key": k, "Value": v} for k, v in tags.items()]
@@ -231,6 +245,19 @@ class AWSBackend(CloudBackend):
                     }
                 ],
             )
+            # The cluster's own members reach each other on every port: pdsh's SSH, the rendezvous
+            # (MASTER_PORT) and NCCL's sockets. Only members of this group; over private addresses.
+            ignoring(
+                {"InvalidPermission.Duplicate"},
+                client.authorize_security_group_ingress,
+                GroupId=group_id,
+                IpPermissions=[
+                    {
+                        "IpProtocol": "-1",
+                        "UserIdGroupPairs": [{"GroupId": group_id, "Description": "gpuctl cluster nodes"}],
+                    }
+                ],
+            )
 
     def _ami(self, client: Any, prov: AWSProvider) -> tuple[str, str]:
         """(image id, root device name): ami_id, else the newest image named ami_name."""
@@ -290,10 +317,10 @@ class AWSBackend(CloudBackend):
     def _instance(self, raw: dict[str, Any]) -> Instance:
         status = raw["State"]["Name"]
         tags = {t["Key"]: t["Value"] for t in raw.get("Tags") or []}
-        address, port = raw.get("PublicIpAddress"), 22
+        address, port, private = raw.get("PublicIpAddress"), 22, raw.get("PrivateIpAddress")
         if os.environ.get(TEST_SSH_ENV) and address:
             host, _, test_port = os.environ[TEST_SSH_ENV].rpartition(":")
-            address, port = host, int(test_port)
+            address, port, private = host, int(test_port), host
         return Instance(
             id=raw["InstanceId"],
             state=status,
@@ -303,6 +330,7 @@ class AWSBackend(CloudBackend):
             port=port,
             user=tags.get(USER_TAG, "ubuntu"),
             label=tags.get("Name", ""),
+            private_address=private,
         )
 
     def terminate(self, cluster: ClusterRecord, instance_id: str) -> None:
@@ -340,21 +368,30 @@ class AWSBackend(CloudBackend):
     def self_teardown(self, cluster: ClusterRecord) -> SelfTeardown | None:
         """`shutdown -h now` with InstanceInitiatedShutdownBehavior=terminate: the node ends itself.
 
-        With more nodes the first one shuts the others down over SSH first (the same SSH the
-        multi-node launcher uses).
-        """
+        With more nodes the first one first shuts the others down through the cluster's own ssh
+        config and key (<workdir>/ssh/config, written by mesh.setup: the same way pdsh goes),
+        over their private addresses, which the cluster's security group admits. No AWS key
+        on the node. A node it cannot reach still has its own `shutdown -h +N` (backstop)."""
         first = cluster.nodes[0] if cluster.nodes else None
         if first is None:
             return None
-        sudo = [] if (first.user or "root") == "root" else ["sudo", "-n"]
-        others = [n.address for n in cluster.nodes[1:]]
+        own = shutdown_argv(first.user, "now")
+        others = cluster.nodes[1:]
         if not others:
-            return SelfTeardown(argv=[*sudo, "shutdown", "-h", "now"])
-        script = (
-            'for h in "$@"; do ssh -o BatchMode=yes -o ConnectTimeout=20 "$h" '
-            f"{' '.join(sudo)} shutdown -h now; done; {' '.join(sudo)} shutdown -h now"
-        )
-        return SelfTeardown(argv=["bash", "-c", script, "gpuctl", *others])
+            return SelfTeardown(argv=own)
+        from provision.transport.ssh.mesh import node_ssh_config
+
+        config = node_ssh_config(first.workdir)
+        lines = [
+            f"{shlex.join(['ssh', '-F', config, '-o', 'ConnectTimeout=20', n.host.split('@')[-1], shlex.join(shutdown_argv(n.user, 'now'))])}"
+            f" || echo {shlex.quote(f'gpuctl: could not reach {n.host} to shut it down')}"
+            for n in others
+        ]
+        return SelfTeardown(argv=["bash", "-c", "\n".join([*lines, shlex.join(own)])])
+
+    def backstop(self, cluster: ClusterRecord, node: NodeRecord, minutes: int) -> list[str] | None:
+        """`shutdown -h +N` on every node: terminated by EC2 even if the budget guard is gone."""
+        return shutdown_argv(node.user, f"+{int(minutes)}")
 
     @staticmethod
     def _group_id(client: Any, name: str) -> str | None:

@@ -20,7 +20,7 @@ from typing import ClassVar, Protocol
 
 from provision.core.config import CloudProvider, GpuctlConfig
 from provision.core.errors import ConfigError
-from provision.core.state import ClusterRecord
+from provision.core.state import ClusterRecord, NodeRecord
 from provision.transport.remote import Node
 
 RUNTIMES = ("docker", "image", "none")
@@ -93,6 +93,11 @@ class ProviderBackend(ABC):
     @abstractmethod
     def self_teardown(self, cluster: ClusterRecord) -> SelfTeardown | None:
         """What a node runs to delete itself (teardown after-train, budget cap); None: nothing to delete."""
+
+    def backstop(self, cluster: ClusterRecord, node: NodeRecord, minutes: int) -> list[str] | None:
+        """A command `up` runs on each node of a capped cluster as a second line of defence behind
+        the budget guard (flows/guard.py), ending the node `minutes` from now; None: none."""
+        return None
 
 
 def resolve_runtime(

@@ -87,6 +87,7 @@ class Instance:
     port: int = 22
     user: str = "root"
     label: str = ""
+    private_address: str | None = None  # where the other nodes reach it (AWS: inside the VPC)
 
 
 def http_teardown(python: str, method: str, calls: list[tuple[str, str]], key: str) -> SelfTeardown:
@@ -265,7 +266,7 @@ class CloudBackend(ProviderBackend):
         self, prov: CloudProvider, cluster: ClusterRecord, node: NodeRecord, deadline: float, say: Callable[[str], None]
     ) -> None:
         """Vendor says running with an address -> SSH banner -> a command runs -> probe GPUs."""
-        from provision.transport.ssh.connect import ConnectError, wait_for_ssh
+        from provision.transport.ssh.connect import ConnectError, HostKeyRefused, wait_for_ssh
 
         assert node.instance_id is not None  # up() records every node with its instance id
         seen = None
@@ -289,6 +290,7 @@ class CloudBackend(ProviderBackend):
                 )
             time.sleep(POLL_S)
         node.address, node.port, node.user = inst.address, inst.port, inst.user
+        node.private_address = inst.private_address
         wait_for_ssh(inst.address, inst.port, deadline, say=say)
         ssh = self.ssh_node(cluster, node, pin_new=True)
         try:
@@ -297,7 +299,7 @@ class CloudBackend(ProviderBackend):
                     home = ssh.home()
                     break
                 except ConnectError as exc:
-                    if time.monotonic() > deadline:
+                    if time.monotonic() > deadline or isinstance(exc, HostKeyRefused):
                         raise
                     say(f"waiting for SSH login: {exc.message}")
                     time.sleep(POLL_S)

@@ -80,6 +80,9 @@ class LocalBackend(ProviderBackend):
         return [LocalNode()]
 
     def down(self, cluster: ClusterRecord, say: Callable[[str], None]) -> None:
+        left = LocalNode().remove_run_secrets(cluster.nodes[0].workdir) if cluster.nodes else 0
+        if left:
+            say(f"local node: removed {left} run secrets file(s) a killed run left behind")
         say("local node: nothing to terminate")
 
     def self_teardown(self, cluster: ClusterRecord) -> SelfTeardown | None:

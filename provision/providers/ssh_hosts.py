@@ -345,9 +345,11 @@ class SSHBackend(ProviderBackend):
         nodes = self.nodes(cluster)
         run_dirs = [r.run_dir for r in state.list_runs(cluster.name)]
         try:
-            for node in nodes:
+            for node, rec in zip(nodes, cluster.nodes, strict=True):
                 try:
                     stop_run_processes(node, run_dirs, say)
+                    if rec.workdir and (left := node.remove_run_secrets(rec.workdir)):
+                        say(f"{node.label}: removed {left} run secrets file(s) a killed run left behind")
                 except RemoteError as exc:
                     say(f"warning: could not reach {node.label} to stop its run processes: {exc.message}")
             mesh.teardown(cluster, nodes, say)

@@ -6,8 +6,10 @@ verbatim; nothing is pasted into a shell string unquoted.
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
+import stat
 import subprocess
 import threading
 from collections.abc import Callable
@@ -107,6 +109,15 @@ class Node:
     def home(self) -> str:
         return self.sh('printf %s "$HOME"', timeout=30).stdout
 
+    def remove_run_secrets(self, workdir: str) -> int:
+        """Delete every run's secrets.env under workdir/runs; how many there were. A launch.sh
+        killed with -9 before its ranks started cannot delete its own: `down` calls this."""
+        if not workdir.strip("/"):
+            return 0  # a record without a workdir: never glob from /
+        script = 'n=0; for f in "$1"/runs/*/secrets.env; do [ -e "$f" ] && rm -f -- "$f" && n=$((n+1)); done; echo "$n"'
+        out = self.sh(script, workdir.rstrip("/"), check=False, timeout=60).stdout.strip()
+        return int(out) if out.isdigit() else 0
+
 
 def _pump(pipe: IO[str], sink: LineSink | None, into: list[str]) -> None:
     for line in iter(pipe.readline, ""):
@@ -153,4 +164,16 @@ class LocalNode(Node):
         return CommandResult(rc, "".join(out), "".join(err))
 
     def put_dir(self, local: Path, remote: str) -> None:
-        shutil.copytree(local, remote, dirs_exist_ok=True, symlinks=True)
+        shutil.copytree(local, remote, dirs_exist_ok=True, symlinks=True, copy_function=copy_with_mode)
+
+
+def copy_with_mode(src: str, dst: str) -> str:
+    """Copy a file with its mode given at creation (copy2 writes the bytes first and chmods after:
+    a 0600 secrets.env would sit readable for a moment)."""
+    mode = stat.S_IMODE(os.stat(src).st_mode)
+    if os.path.lexists(dst):
+        os.unlink(dst)
+    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with open(src, "rb") as fin, os.fdopen(fd, "wb") as fout:
+        shutil.copyfileobj(fin, fout, 1 << 20)
+    return dst

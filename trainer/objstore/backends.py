@@ -11,6 +11,7 @@ Error messages name the bucket/endpoint and the fix, never credentials.
 
 from __future__ import annotations
 
+import base64
 import builtins
 import hashlib
 import os
@@ -59,6 +60,12 @@ class UploadError(StorageError):
 
 class VerificationError(StorageError):
     """A downloaded file does not match the size/sha256 recorded in the manifest."""
+
+
+class UnsafeManifest(StorageError):
+    """A manifest or node marker that gpuctl would never write: a tag that is not the folder it
+    sits in, a path that leaves its folder, a size or digest of the wrong shape. Anyone holding
+    the bucket's write key (every rented node) can write one, so it is refused, never "fixed"."""
 
 
 # --------------------------------------------------------------------------- helpers
@@ -114,6 +121,7 @@ class Progress:
 
 # --------------------------------------------------------------------------- hashing
 _hash_cache: dict[tuple[str, int, int], str] = {}
+_composite_cache: dict[tuple[str, int, int, int], str] = {}  # (path, size, mtime_ns, part size)
 _hash_lock = threading.Lock()
 
 
@@ -135,6 +143,58 @@ def sha256_file(path: Path) -> str:
     with _hash_lock:
         _hash_cache[key] = digest
     return digest
+
+
+def digests(path: Path, part_size: int | None) -> tuple[str, str | None]:
+    """(sha256 hex, S3's composite SHA256 checksum) of a file in one read.
+
+    The composite is what S3 reports for an object uploaded in parts of ``part_size`` bytes
+    with ChecksumAlgorithm=SHA256: base64(sha256(part digest 1 + part digest 2 + ...)); None
+    when ``part_size`` is None (a single-part upload, whose checksum is the plain sha256)."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    with _hash_lock:
+        hit, composite = _hash_cache.get(key), _composite_cache.get((key[0], key[1], key[2], part_size or 0))
+    if hit is not None and (part_size is None or composite is not None):
+        return hit, composite
+    whole, parts = hashlib.sha256(), []
+    part, in_part = hashlib.sha256(), 0
+    buf = bytearray(1 << 20)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            whole.update(view[:n])
+            if part_size is None:
+                continue
+            done = 0
+            while done < n:
+                take = min(n - done, part_size - in_part)
+                part.update(view[done : done + take])
+                done, in_part = done + take, in_part + take
+                if in_part == part_size:
+                    parts.append(part.digest())
+                    part, in_part = hashlib.sha256(), 0
+    if in_part:
+        parts.append(part.digest())
+    digest = whole.hexdigest()
+    composite = None if part_size is None else base64.b64encode(hashlib.sha256(b"".join(parts)).digest()).decode()
+    with _hash_lock:
+        _hash_cache[key] = digest
+        if composite is not None:
+            _composite_cache[(key[0], key[1], key[2], part_size or 0)] = composite
+    return digest, composite
+
+
+def part_checksums(
+    part_size: Callable[[int], int | None], local: dict[str, Path], sizes: dict[str, int]
+) -> dict[str, str]:
+    """S3's composite checksum of each file that goes up in parts (publish checks the store's)."""
+    parts = {rel: n for rel in local if (n := part_size(sizes[rel]))}
+    if not parts:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(4, len(parts))) as pool:
+        found = pool.map(lambda rel: digests(local[rel], parts[rel])[1], list(parts))
+        return {rel: c for rel, c in zip(parts, found, strict=True) if c}
 
 
 def _hash_many(paths: list[Path]) -> list[str]:
@@ -187,6 +247,19 @@ class FileBackend:
 
     def head_sha256(self, key: str) -> str | None:
         return None  # no object metadata on a plain directory: such files are copied again
+
+    def part_size(self, size: int) -> int | None:
+        return None  # files are copied whole
+
+    def content_matches(
+        self, key: str, size: int, sha256: str, composite: str | None, *, read_back: bool = True
+    ) -> bool:
+        """The stored file really holds these bytes (read back and hashed: a local disk)."""
+        path = self._path(key)
+        try:
+            return path.stat().st_size == size and sha256_file(path) == sha256
+        except (FileNotFoundError, NotADirectoryError):
+            return False
 
     def delete(self, keys: Iterable[str]) -> None:
         for key in keys:

@@ -20,18 +20,22 @@ first un-published, manifest deleted, before it is changed). Every S3 object als
 carries its sha256 in user metadata (``x-amz-meta-sha256``).
 
 Tags and the paths a manifest lists come back from a store that a rented node could write:
-they are checked here (a plain name; a relative path without "..") before any use.
+they are checked here before any use (``manifest_info``, ``marker_files``): a manifest's tag
+must be the folder it sits in and match TAG_RE, every path is relative without "." or "..",
+sizes are non-negative integers and digests 64 hex digits. Anything else is UnsafeManifest,
+raised before a byte is written (the destination check in store.download is the second wall).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.objstore.backends import InvalidTag, VerificationError
+from trainer.objstore.backends import InvalidTag, UnsafeManifest
 
 FORMAT = 1
 LATEST = "latest"
@@ -39,6 +43,8 @@ MANIFEST = "manifest.json"
 NODES_DIR = "_nodes"
 TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 STEP_RE = re.compile(r"(\d+)$")
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+MAX_PATH = 1024  # bytes of one relative path (Linux: 4096 for a whole path, 255 a name)
 
 
 @dataclass(frozen=True)
@@ -66,12 +72,96 @@ def check_tag(tag: str) -> str:
     return tag
 
 
-def safe_relpath(rel: str) -> str:
+def safe_relpath(rel: object) -> str:
     """Reject manifest paths that would escape the destination directory."""
+    if not isinstance(rel, str):
+        raise UnsafeManifest(f"a path in the manifest is {type(rel).__name__}, not text")
     parts = rel.split("/")
-    if not rel or rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
-        raise VerificationError(f"unsafe path {rel!r} in manifest")
+    if (
+        not rel
+        or len(rel.encode("utf-8", "surrogatepass")) > MAX_PATH
+        or any(p in ("", ".", "..") or len(p) > 255 for p in parts)
+        or any(ord(c) < 32 or c == "\x7f" for c in rel)
+    ):
+        raise UnsafeManifest(f"unsafe path {rel[:200]!r} in manifest")
+    if rel == MANIFEST or parts[0] == NODES_DIR:
+        raise UnsafeManifest(f"manifest lists {rel!r}, a name reserved for checkpoint metadata")
     return rel
+
+
+def _count(value: object, what: str, low: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise UnsafeManifest(f"{what} is {str(value)[:40]!r}, not an integer >= {low}")
+    return value
+
+
+def _file_entry(rel: object, rec: object) -> FileEntry:
+    path = safe_relpath(rel)
+    if not isinstance(rec, dict):
+        raise UnsafeManifest(f"the record of {path!r} is not an object")
+    sha = rec.get("sha256")
+    if not isinstance(sha, str) or not SHA256_RE.match(sha):
+        raise UnsafeManifest(f"the sha256 of {path!r} is not 64 hex digits")
+    return FileEntry(path, _count(rec.get("size"), f"the size of {path!r}"), sha)
+
+
+def manifest_info(m: object, tag: str, where: str) -> CheckpointInfo:
+    """A complete checkpoint's record from the manifest found in folder ``tag``, every field checked.
+
+    ``where`` names the object in messages (the store url and key)."""
+    try:
+        if not isinstance(m, dict):
+            raise UnsafeManifest("it is not a JSON object")
+        if m.get("tag") != tag:
+            raise UnsafeManifest(f"its tag {str(m.get('tag'))[:200]!r} is not the folder it sits in ({tag!r})")
+        check_tag(tag)
+        files = m.get("files")
+        if not isinstance(files, dict):
+            raise UnsafeManifest("its files are not an object of path -> {size, sha256}")
+        entries = [_file_entry(rel, rec) for rel, rec in sorted(files.items())]
+        when = m.get("time")
+        if isinstance(when, bool) or not isinstance(when, (int, float)) or not math.isfinite(when):
+            raise UnsafeManifest(f"time is {str(when)[:40]!r}, not a number")
+        return CheckpointInfo(
+            tag=tag,
+            step=_count(m.get("step"), "step"),
+            world_size=_count(m.get("world_size"), "world_size", 1),
+            num_nodes=_count(m.get("num_nodes"), "num_nodes", 1),
+            complete=True,
+            size=sum(f.size for f in entries),
+            time=float(when),
+            files=entries,
+        )
+    except (UnsafeManifest, InvalidTag) as exc:
+        raise UnsafeManifest(f"{where}: {exc}") from None
+
+
+def marker_files(marker: object, where: str) -> dict[str, dict[str, Any]]:
+    """The files a node marker lists ({path: {"size", "sha256"[, "s3_sha256"]}}), every entry checked."""
+    try:
+        files = marker.get("files") if isinstance(marker, dict) else None
+        if not isinstance(files, dict):
+            raise UnsafeManifest("its files are not an object of path -> {size, sha256}")
+        out: dict[str, dict[str, Any]] = {}
+        for rel, rec in files.items():
+            entry = _file_entry(rel, rec)
+            out[entry.path] = {"size": entry.size, "sha256": entry.sha256}
+            composite = rec.get("s3_sha256")
+            if composite is not None:
+                if not isinstance(composite, str) or len(composite) > 100:
+                    raise UnsafeManifest(f"the s3_sha256 of {entry.path!r} is not a checksum")
+                out[entry.path]["s3_sha256"] = composite
+        return out
+    except UnsafeManifest as exc:
+        raise UnsafeManifest(f"{where}: {exc}") from None
+
+
+def inside(root: Path, paths: list[Path]) -> None:
+    """Every path, resolved (symlinks followed), stays under root: else UnsafeManifest, nothing written."""
+    base = Path(root).resolve()
+    for path in paths:
+        if not path.resolve().is_relative_to(base):
+            raise UnsafeManifest(f"checkpoint file {path} would land outside {root}; refusing to download")
 
 
 def step_from_tag(tag: str) -> int:

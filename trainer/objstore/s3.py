@@ -232,6 +232,58 @@ class S3Backend:
         sha: str | None = resp.get("Metadata", {}).get("sha256")
         return sha
 
+    def part_size(self, size: int) -> int | None:
+        """The part size boto3's transfer manager uses for a file of ``size`` bytes (None: one PUT)."""
+        if size < self.options.multipart_threshold:
+            return None
+        from s3transfer.utils import ChunksizeAdjuster
+
+        part: int = ChunksizeAdjuster().adjust_chunksize(self.options.multipart_chunksize, size)
+        return part
+
+    def content_matches(
+        self, key: str, size: int, sha256: str, composite: str | None, *, read_back: bool = True
+    ) -> bool:
+        """The stored object holds these bytes: S3's own SHA256 checksum (verified by S3 when it
+        received the upload, ChecksumAlgorithm=SHA256) equals the local file's sha256, or for a
+        multipart upload its composite of part digests. An object without a checksum (some
+        S3-compatible servers, objects written by other tools) is read back and hashed; with
+        read_back=False (deciding whether to upload again) its x-amz-meta-sha256 is taken instead."""
+        import base64
+
+        from botocore import exceptions as bx
+
+        try:
+            resp = self.client.head_object(Bucket=self.bucket, Key=self._key(key), ChecksumMode="ENABLED")
+        except bx.ClientError as exc:
+            if exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
+                return False
+            raise self._error(exc, f"checking {key}") from exc
+        except bx.BotoCoreError as exc:
+            raise self._error(exc, f"checking {key}") from exc
+        if int(resp.get("ContentLength", -1)) != size:
+            return False
+        stored = str(resp.get("ChecksumSHA256") or "").split("-")[0]  # AWS: "<b64>-<parts>" when composite
+        if stored:
+            return stored in (base64.b64encode(bytes.fromhex(sha256)).decode(), composite)
+        if not read_back:
+            return bool(resp.get("Metadata", {}).get("sha256") == sha256)
+        return self._read_back_sha256(key) == sha256
+
+    def _read_back_sha256(self, key: str) -> str:
+        import hashlib
+
+        digest = hashlib.sha256()
+        resp = self._call(f"reading {key} back", self.client.get_object, Bucket=self.bucket, Key=self._key(key))
+        from botocore import exceptions as bx
+
+        try:
+            for chunk in resp["Body"].iter_chunks(1 << 20):
+                digest.update(chunk)
+        except bx.BotoCoreError as exc:
+            raise self._error(exc, f"reading {key} back") from exc
+        return digest.hexdigest()
+
     def delete(self, keys: Iterable[str]) -> None:
         keys = list(keys)
         for i in range(0, len(keys), 1000):
@@ -292,7 +344,9 @@ class S3Backend:
                     str(it.local),
                     self.bucket,
                     self._key(it.key),
-                    extra_args={"Metadata": {"sha256": it.sha256}},
+                    # S3 checks each request's body against its SHA256 and keeps the checksum,
+                    # which publish compares with the node's own digest (content_matches).
+                    extra_args={"Metadata": {"sha256": it.sha256}, "ChecksumAlgorithm": "SHA256"},
                     subscribers=sub,
                 )
                 for it in items

@@ -6,13 +6,16 @@ store is first used.
 
 The layout of a store (tags, node markers, manifests, `latest`) is in layout.py.
 
-Upload is incremental: a local file whose (size, sha256) matches this node's marker
-and whose object is listed with that size is skipped, so a no-op sync costs one GET
-(marker) and one LIST. Local hashes are cached on (path, size, mtime_ns). Pruning
-(``keep`` K) removes older checkpoints only after a newer one is complete, manifest
-first. Download verifies every file's size and sha256; on a missing or corrupt file
-it logs a line and falls back to the previous complete checkpoint. It writes
-``dest/<tag>/...`` and ``dest/latest`` (DeepSpeed's load_checkpoint layout).
+Upload is incremental: a local file whose object is listed with its size and whose bytes
+the store vouches for (S3's SHA256 checksum, else the object's sha256 metadata; file://: the
+stored file hashed) is skipped, so a no-op sync costs one GET (marker), one LIST and one HEAD
+per file. Local hashes are cached on (path, size, mtime_ns). Publish counts a checkpoint only
+once every stored file matches its node's sha256 (the store's checksum, or read back). Pruning
+(``keep`` K) removes older checkpoints only after a newer one is complete, manifest first.
+Download (fetch.py) verifies every file's size and sha256; on a missing or corrupt file it
+logs a line and falls back to the previous complete checkpoint. It writes ``dest/<tag>/...``
+and ``dest/latest`` (DeepSpeed's load_checkpoint layout). Manifests and markers read back are
+checked first (layout.py): a hostile one is refused before anything is written.
 
 Progress callbacks are ``progress(bytes_done, bytes_total)``.
 """
@@ -22,28 +25,28 @@ from __future__ import annotations
 import builtins
 import json
 import logging
-import os
-import shutil
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
 from trainer.objstore.atomic import atomic_write
 from trainer.objstore.backends import (
-    DownloadItem,
     FileBackend,
     ObjectStat,
     Progress,
     ProgressFn,
     StorageError,
     StorageNotFound,
+    UnsafeManifest,
     UploadItem,
     VerificationError,
     _hash_many,
-    sha256_file,
+    part_checksums,
 )
+from trainer.objstore.fetch import fetch_tag
 from trainer.objstore.layout import (
     FORMAT,
     LATEST,
@@ -55,7 +58,8 @@ from trainer.objstore.layout import (
     check_tag,
     dumps,
     local_files,
-    safe_relpath,
+    manifest_info,
+    marker_files,
     step_from_tag,
 )
 from trainer.objstore.s3 import S3Backend, S3Options
@@ -125,29 +129,26 @@ class CheckpointStore:
             return None
         return obj
 
-    @staticmethod
-    def _info_from_manifest(m: dict[str, Any]) -> CheckpointInfo:
-        files = [FileEntry(p, int(f["size"]), f["sha256"]) for p, f in sorted(m["files"].items())]
-        return CheckpointInfo(
-            tag=m["tag"],
-            step=int(m["step"]),
-            world_size=int(m["world_size"]),
-            num_nodes=int(m["num_nodes"]),
-            complete=True,
-            size=sum(f.size for f in files),
-            time=float(m["time"]),
-            files=files,
-        )
+    def _info_from_manifest(self, m: dict[str, Any], tag: str) -> CheckpointInfo:
+        """The manifest found in folder ``tag``, checked (UnsafeManifest when it is not gpuctl's)."""
+        return manifest_info(m, tag, f"{self.url}/{tag}/{MANIFEST}")
 
     def _incomplete_info(self, tag: str, objs: dict[str, ObjectStat]) -> CheckpointInfo:
         step, nodes = -1, 0
         files: dict[str, dict[str, Any]] = {}
         for key in sorted(k for k in objs if k.startswith(f"{tag}/{NODES_DIR}/")):
             marker = self._read_json(key)
-            if marker:
-                nodes += 1
-                step = max(step, int(marker.get("step", -1)))
-                files.update(marker.get("files", {}))
+            if not marker:
+                continue
+            try:
+                files.update(marker_files(marker, f"{self.url}/{key}"))
+            except UnsafeManifest as exc:
+                self.log(f"ignoring {exc}")
+                continue
+            nodes += 1
+            marker_step = marker.get("step")
+            if isinstance(marker_step, int) and not isinstance(marker_step, bool):
+                step = max(step, marker_step)
         prefix = f"{tag}/"
         data = {
             k[len(prefix) :]: s
@@ -172,19 +173,19 @@ class CheckpointStore:
         by_tag: dict[str, dict[str, ObjectStat]] = {}
         for key, st in objs.items():
             tag, sep, _rest = key.partition("/")
-            if sep:
+            if sep and TAG_RE.match(tag) and tag not in (LATEST, NODES_DIR):  # else not a checkpoint gpuctl writes
                 by_tag.setdefault(tag, {})[key] = st
         infos = []
         for tag, tobjs in by_tag.items():
             manifest = self._read_json(f"{tag}/{MANIFEST}") if f"{tag}/{MANIFEST}" in tobjs else None
-            infos.append(self._info_from_manifest(manifest) if manifest else self._incomplete_info(tag, tobjs))
+            infos.append(self._info_from_manifest(manifest, tag) if manifest else self._incomplete_info(tag, tobjs))
         infos.sort(key=lambda i: (i.step, i.time), reverse=True)
         return infos
 
     def info(self, tag: str) -> CheckpointInfo | None:
         """The complete checkpoint ``tag`` (from its manifest), or None."""
         manifest = self._read_json(f"{check_tag(tag)}/{MANIFEST}")
-        return self._info_from_manifest(manifest) if manifest else None
+        return self._info_from_manifest(manifest, tag) if manifest else None
 
     def latest(self) -> CheckpointInfo | None:
         """The newest complete checkpoint: the one `latest` names, else the newest manifest."""
@@ -210,26 +211,35 @@ class CheckpointStore:
         check_tag(tag)
         t0 = time.monotonic()
         local = local_files(Path(local_tag_dir))
-        hashes = dict(zip(local, _hash_many(list(local.values())), strict=True))
         sizes = {rel: p.stat().st_size for rel, p in local.items()}
+        composites = part_checksums(self.backend.part_size, local, sizes)  # (fills _hash_many's cache)
+        hashes = dict(zip(local, _hash_many(list(local.values())), strict=True))
         marker_key = f"{tag}/{NODES_DIR}/{node_rank}.json"
         marker = self._read_json(marker_key) or {}
         recorded = marker.get("files", {})
         remote = self.backend.list(f"{tag}/")
 
-        todo: list[UploadItem] = []
-        for rel, path in local.items():
-            size, sha, key = sizes[rel], hashes[rel], f"{tag}/{rel}"
-            stat = remote.get(key)
-            if stat is not None and stat.size == size:
-                rec = recorded.get(rel)
-                if rec and rec.get("size") == size and rec.get("sha256") == sha:
-                    continue
-                if rec is None and self.backend.head_sha256(key) == sha:
-                    continue  # uploaded by an attempt that died before writing the marker
-            todo.append(UploadItem(path, key, size, sha))
+        # Skip a file only when the store vouches for its bytes (its checksum; a store without one:
+        # the object's sha256 metadata), not on our marker's word: the object may have been replaced
+        # since, and publish would then refuse the checkpoint (one HEAD per file, in parallel).
+        listed = [rel for rel in local if (st := remote.get(f"{tag}/{rel}")) is not None and st.size == sizes[rel]]
 
-        new_files = {rel: {"size": sizes[rel], "sha256": hashes[rel]} for rel in local}
+        def vouched(rel: str) -> bool:
+            return self.backend.content_matches(
+                f"{tag}/{rel}", sizes[rel], hashes[rel], composites.get(rel), read_back=False
+            )
+
+        with ThreadPoolExecutor(max_workers=max(1, min(16, len(listed)))) as pool:
+            stored = {rel for rel, ok in zip(listed, pool.map(vouched, listed), strict=True) if ok}
+        todo = [
+            UploadItem(path, f"{tag}/{rel}", sizes[rel], hashes[rel])
+            for rel, path in local.items()
+            if rel not in stored
+        ]
+
+        new_files: dict[str, dict[str, Any]] = {rel: {"size": sizes[rel], "sha256": hashes[rel]} for rel in local}
+        for rel, composite in composites.items():
+            new_files[rel]["s3_sha256"] = composite
         if not todo and marker and recorded == new_files:
             return  # no-op sync
         if f"{tag}/{MANIFEST}" in remote:
@@ -293,18 +303,21 @@ class CheckpointStore:
             return False
 
         files: dict[str, dict[str, Any]] = {}
+        composites: dict[str, str | None] = {}
         for rank in range(num_nodes):
-            marker = self._read_json(f"{tag}/{NODES_DIR}/{rank}.json")
+            key = f"{tag}/{NODES_DIR}/{rank}.json"
+            marker = self._read_json(key)
             if marker is None:
                 self.log(f"not publishing {tag}: node {rank}'s marker vanished (re-upload in progress)")
                 return False
-            for rel, f in marker["files"].items():
+            for rel, f in marker_files(marker, f"{self.url}/{key}").items():
                 prev = files.get(rel)
                 if prev and prev["sha256"] != f["sha256"]:
                     raise StorageError(
                         f"checkpoint {tag}: nodes {prev['node']} and {rank} uploaded different contents for {rel}"
                     )
                 files.setdefault(rel, {"size": f["size"], "sha256": f["sha256"], "node": rank})
+                composites.setdefault(rel, f.get("s3_sha256"))
         remote = self.backend.list(f"{tag}/")
         bad = sorted(
             rel for rel, f in files.items() if (st := remote.get(f"{tag}/{rel}")) is None or st.size != f["size"]
@@ -313,6 +326,17 @@ class CheckpointStore:
             raise StorageError(
                 f"checkpoint {tag}: node markers list files that are missing or "
                 f"of the wrong size in {self.url}: {bad[:5]}"
+            )
+        # Size is not enough: the stored bytes must be the ones each node hashed (README's promise).
+        corrupt = sorted(
+            rel
+            for rel, f in files.items()
+            if not self.backend.content_matches(f"{tag}/{rel}", f["size"], f["sha256"], composites[rel])
+        )
+        if corrupt:
+            raise VerificationError(
+                f"checkpoint {tag}: stored files do not match the sha256 their node recorded "
+                f"in {self.url}: {corrupt[:5]}; not publishing it"
             )
         self.backend.write_bytes(
             f"{tag}/{MANIFEST}",
@@ -382,7 +406,7 @@ class CheckpointStore:
         candidates = [first] + [i for i in complete if i.step < first.step]
         for n, info in enumerate(candidates):
             try:
-                self._download_one(info, dest, progress)
+                fetch_tag(self.backend, info, dest, progress)
             except (VerificationError, StorageNotFound) as exc:
                 nxt = candidates[n + 1].tag if n + 1 < len(candidates) else None
                 if nxt is None:
@@ -398,39 +422,3 @@ class CheckpointStore:
             atomic_write(dest / LATEST, info.tag)
             return info
         raise AssertionError("unreachable")  # the loop returns or raises
-
-    def _download_one(self, info: CheckpointInfo, dest: Path, progress: ProgressFn | None) -> None:
-        tag_dir = dest / info.tag
-        created = not tag_dir.exists()
-        remote = self.backend.list(f"{info.tag}/")
-        for f in info.files:
-            safe_relpath(f.path)
-            st = remote.get(f"{info.tag}/{f.path}")
-            if st is None:
-                raise StorageNotFound(f"shard {f.path} is missing")
-            if st.size != f.size:
-                raise VerificationError(f"shard {f.path} is {st.size} bytes, manifest says {f.size}")
-        todo = []
-        for f in info.files:
-            local = tag_dir / f.path
-            if local.is_file() and local.stat().st_size == f.size and sha256_file(local) == f.sha256:
-                continue  # already here (a resumed pull)
-            todo.append(DownloadItem(f"{info.tag}/{f.path}", local.with_name(f".tmp-{local.name}"), f.size))
-        prog = Progress(progress, sum(i.size for i in todo))
-        try:
-            self.backend.download_files(todo, prog)
-            by_key = {f"{info.tag}/{f.path}": f for f in info.files}
-            for item in todo:
-                f = by_key[item.key]
-                size = item.dest.stat().st_size
-                if size != f.size or sha256_file(item.dest) != f.sha256:
-                    raise VerificationError(f"shard {f.path} does not match its sha256")
-                os.replace(item.dest, tag_dir / f.path)
-        except (VerificationError, StorageNotFound):
-            if created:
-                shutil.rmtree(tag_dir, ignore_errors=True)
-            raise
-        finally:
-            for item in todo:
-                item.dest.unlink(missing_ok=True)
-        prog.finish()

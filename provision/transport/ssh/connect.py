@@ -24,7 +24,7 @@ from pathlib import Path
 import paramiko
 
 from provision.core.errors import RemoteError
-from provision.transport.ssh.hostkeys import PinPolicy, UnknownHostKey, known_hosts_path
+from provision.transport.ssh.hostkeys import KnownHostsMismatch, PinPolicy, UnknownHostKey, known_hosts_path
 
 # paramiko logs a dropped connection ("Socket exception: Connection reset") from its reader
 # thread; gpuctl reports it as one RemoteError line instead. GPUCTL_DEBUG=1 shows the logs.
@@ -43,6 +43,10 @@ class ConnectError(RemoteError):
         self.transient = transient
 
 
+class HostKeyRefused(ConnectError):
+    """The host's key is not the one gpuctl (or the user's ~/.ssh/known_hosts) expects: waiting will not help."""
+
+
 def endpoint(user: str, address: str, port: int) -> str:
     """How a connection is named in messages and node labels."""
     return f"{user}@{address}:{port}"
@@ -53,14 +57,20 @@ def _connect_error(
 ) -> ConnectError:
     """One line for each way a connection fails, with the next thing to try."""
     where = endpoint(user, address, port)
+    if isinstance(exc, KnownHostsMismatch):
+        return HostKeyRefused(
+            f"{where}: host key {exc.key.get_name()} {exc.key.fingerprint} differs from the one your "
+            f"{exc.path} has for {exc.hostname} ({exc.expected_key.fingerprint}); refusing to connect",
+            f"if the machine was really reinstalled, `ssh-keygen -R '{exc.hostname}'`, then retry; else do not connect",
+        )
     if isinstance(exc, paramiko.BadHostKeyException):
-        return ConnectError(
+        return HostKeyRefused(
             f"{where}: host key CHANGED (now {exc.key.get_name()} {exc.key.fingerprint}, pinned "
             f"{exc.expected_key.fingerprint}); refusing to connect",
             f"if the machine was really reinstalled, run `gpuctl forget-host {address}:{port}`, then `gpuctl up`",
         )
     if isinstance(exc, UnknownHostKey):
-        return ConnectError(
+        return HostKeyRefused(
             f"{where}: host key {exc.key.get_name()} {exc.key.fingerprint} is not pinned by gpuctl",
             "run `gpuctl up` to connect and pin it",
         )

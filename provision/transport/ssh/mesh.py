@@ -31,14 +31,29 @@ from trainer.objstore.atomic import atomic_write
 
 MARK = "gpuctl-mesh-"
 
-# $1 authorized_keys path ("~/" = $HOME/), $2 the key line. Idempotent.
-ADD_KEY = r'''f="$1"; case "$f" in "~/"*) f="$HOME/${f#\~/}";; esac
-mkdir -p "$(dirname "$f")" && touch "$f" && chmod go-w "$f" || exit 1
-grep -qxF -- "$2" "$f" || printf '%s\n' "$2" >> "$f"'''
-# $1 authorized_keys path, $2 our key line: drop exactly that line, keep the rest as it was.
-DROP_KEY = r'''f="$1"; case "$f" in "~/"*) f="$HOME/${f#\~/}";; esac
-[ -f "$f" ] || exit 0
-grep -vxF -- "$2" "$f" > "$f.gpuctl.tmp"; cat "$f.gpuctl.tmp" > "$f"; rm -f "$f.gpuctl.tmp"'''
+# Editing authorized_keys: write a copy, check it, rename it over the file. Never truncate the
+# user's file first (`grep > tmp; cat tmp > file` empties it when the temp write fails on a full
+# disk, and locks the user out of their own host). $1 the file ("~/" = $HOME/), $2 our public key
+# line, $3 the line to have in its place ("": none). Every line holding our key's blob goes, the
+# rest stays as it was; a symlinked file is edited where it points. Idempotent.
+EDIT_KEY = r"""f="$1"; case "$f" in "~/"*) f="$HOME/${f#\~/}";; esac
+[ -L "$f" ] && { f=$(readlink -f -- "$f") || exit 1; }
+blob=$(printf '%s\n' "$2" | awk '{print $2}'); [ -n "$blob" ] || exit 1
+if [ ! -e "$f" ]; then
+  [ -n "$3" ] || exit 0
+  mkdir -p -- "$(dirname -- "$f")" && ( umask 077; : > "$f" ) || exit 1
+fi
+tmp=$(mktemp -- "$f.gpuctl.XXXXXX") || exit 1
+trap 'rm -f -- "$tmp"' EXIT
+grep -vF -- "$blob" "$f" > "$tmp"; [ $? -le 1 ] || exit 1   # 2 or a signal: a read or write failed
+[ -z "$3" ] || printf '%s\n' "$3" >> "$tmp" || exit 1
+keep=$(grep -cvF -- "$blob" "$f"); [ -z "$3" ] || keep=$((keep + 1))
+[ "$(grep -c '' "$tmp")" = "$keep" ] || exit 1                # the copy holds every line it should
+[ -z "$3" ] || [ "$(tail -n 1 -- "$tmp")" = "$3" ] || exit 1
+chmod go-rwx -- "$tmp" && mv -f -- "$tmp" "$f"
+"""
+# On the first node: the address each node sees it connect from (for the key's from= option).
+SOURCE_ADDRESS = 'printf "%s" "${SSH_CONNECTION%% *}"'
 
 
 def node_ssh_dir(workdir: str) -> str:
@@ -80,12 +95,18 @@ def node_known_hosts(cluster: state.ClusterRecord) -> str:
     keys = load_known_hosts()
     lines = []
     for node in cluster.nodes:
-        name = host_key_name(node.address, node.port)
-        pinned = keys.lookup(name)
+        pinned = keys.lookup(host_key_name(node.address, node.port))
         if not pinned:
             raise RemoteError(f"{node.address}:{node.port} has no pinned host key", "run `gpuctl up` again")
+        name = host_key_name(inner_address(node), node.port)  # the key gpuctl pinned, under the name nodes use
         lines += [f"{name} {kind} {key.get_base64()}\n" for kind, key in pinned.items()]
     return "".join(lines)
+
+
+def inner_address(node: state.NodeRecord) -> str:
+    """Where the other nodes reach this one: its private address when the provider has one (AWS:
+    traffic inside the VPC, which the cluster's security group admits), else its address."""
+    return node.private_address or node.address
 
 
 def node_ssh_config_text(cluster: state.ClusterRecord) -> str:
@@ -96,7 +117,7 @@ def node_ssh_config_text(cluster: state.ClusterRecord) -> str:
         blocks.append(
             host_block(
                 [name],
-                node.address,
+                inner_address(node),
                 node.port,
                 node.user,
                 f"{folder}/id_ed25519",
@@ -113,26 +134,60 @@ def setup(
     authorized_keys: str = "~/.ssh/authorized_keys",
     say: Callable[[str], None] = print,
 ) -> None:
-    """Let the first node reach every node (itself included) by its hostfile name."""
+    """Let the first node reach every node (itself included) by its hostfile name.
+
+    The cluster key goes in first as a plain line; the first node then asks every node which
+    address it connects from, and the line is replaced by one with from="those addresses"
+    (plus the nodes' own IPs), so the key opens nothing when used from anywhere else."""
     private, public = cluster_keypair(cluster.name)
     (key_dir(cluster.name) / "authorized_keys").write_text(authorized_keys + "\n")
     for node in nodes:
-        node.sh(ADD_KEY, authorized_keys, public, timeout=60)
+        node.sh(EDIT_KEY, authorized_keys, public, public, timeout=60)
     first, folder = nodes[0], node_ssh_dir(cluster.nodes[0].workdir)
     first.write_text(f"{folder}/id_ed25519", private, "600")
     first.write_text(f"{folder}/known_hosts", node_known_hosts(cluster), "600")
     first.write_text(f"{folder}/config", node_ssh_config_text(cluster), "600")
-    for rec in cluster.nodes:
-        name = rec.host.split("@")[-1]
-        result = first.run(["ssh", "-F", f"{folder}/config", name, "true"], check=False, timeout=90)
-        if result.rc != 0:
-            raise RemoteError(
-                f"node {cluster.nodes[0].address} cannot SSH to node {rec.host} "
-                f"(port {rec.port}): {result.stderr.strip()[-200:] or f'exit {result.rc}'}",
-                f"check that {rec.address}:{rec.port} is reachable from the first node "
-                "and that provider.authorized_keys is the file its sshd reads",
-            )
+    seen = [_hop(cluster, first, folder, rec, SOURCE_ADDRESS) for rec in cluster.nodes]
+    allowed = from_addresses(cluster, seen)
+    if allowed:
+        line = f'from="{",".join(allowed)}" {public}'
+        for node in nodes:
+            node.sh(EDIT_KEY, authorized_keys, public, line, timeout=60)
+        for rec in cluster.nodes:  # the restricted key still lets the first node in
+            _hop(cluster, first, folder, rec, "true")
+    else:
+        say(
+            "warning: no node reported the address the first node connects from; the cluster key is not limited by from="
+        )
     say(f"node-to-node SSH ready: {cluster.nodes[0].address} reaches {len(cluster.nodes)} nodes (pdsh)")
+
+
+def _hop(cluster: state.ClusterRecord, first: Node, folder: str, rec: state.NodeRecord, command: str) -> str:
+    """Run `command` on node `rec` from the first node, as pdsh will; its output."""
+    name = rec.host.split("@")[-1]
+    result = first.run(["ssh", "-F", f"{folder}/config", name, command], check=False, timeout=90)
+    if result.rc != 0:
+        raise RemoteError(
+            f"node {cluster.nodes[0].address} cannot SSH to node {rec.host} "
+            f"(port {rec.port}): {result.stderr.strip()[-200:] or f'exit {result.rc}'}",
+            f"check that {rec.address}:{rec.port} is reachable from the first node "
+            "and that provider.authorized_keys is the file its sshd reads",
+        )
+    return result.stdout.strip()
+
+
+def from_addresses(cluster: state.ClusterRecord, seen: Sequence[str]) -> list[str]:
+    """IP addresses for the cluster key's from= option: where the nodes saw the first node
+    connect from, and the nodes' own IP addresses (host names cannot match: sshd's UseDNS is off)."""
+    import ipaddress
+
+    found: set[str] = set()
+    for text in [*seen, *(n.address for n in cluster.nodes), *(n.private_address or "" for n in cluster.nodes)]:
+        try:
+            found.add(str(ipaddress.ip_address(text.strip())))
+        except ValueError:
+            continue
+    return sorted(found) if any(seen) else []
 
 
 def teardown(cluster: state.ClusterRecord, nodes: Sequence[Node], say: Callable[[str], None] = print) -> None:
@@ -145,7 +200,7 @@ def teardown(cluster: state.ClusterRecord, nodes: Sequence[Node], say: Callable[
     public = (folder / "id_ed25519.pub").read_text().strip()
     for i, node in enumerate(nodes):
         try:
-            node.sh(DROP_KEY, authorized, public, timeout=60)
+            node.sh(EDIT_KEY, authorized, public, "", timeout=60)
             if i == 0:
                 node.sh('rm -rf -- "$1"', node_ssh_dir(cluster.nodes[0].workdir), timeout=60)
         except RemoteError as exc:

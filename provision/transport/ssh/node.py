@@ -348,14 +348,15 @@ def _complete_utf8(data: bytes) -> int:
 
 def _sftp_put(sftp: paramiko.SFTPClient, path: Path, target: str) -> None:
     """One file in ~2 round trips (open, close; writes pipelined, their errors raised at close).
-    The mode is set only when it is not the usual 0644 (a run dir is 0700 anyway)."""
+    A mode other than the usual 0644 (secrets.env: 0600) is set while the file is still empty,
+    before the first byte goes out: a secret never sits in a file others may read."""
     mode = stat.S_IMODE(path.stat().st_mode)
     with open(path, "rb") as src, sftp.open(target, "wb") as dst:
+        if mode != 0o644:
+            dst.chmod(mode)
         dst.set_pipelined(True)
         while chunk := src.read(1 << 20):
             dst.write(chunk)
-        if mode != 0o644:
-            dst.chmod(mode)
 
 
 def _sftp_mkdir(sftp: paramiko.SFTPClient, path: str, mode: int) -> None:
