@@ -343,15 +343,11 @@ def test_unchanged_files_are_not_uploaded_again(s3_store, tmp_path):
     assert counts["PutObject"] == 100 + 1  # 100 small files + the node marker
     assert counts["UploadPart"] == 2 and counts["CreateMultipartUpload"] == 1
 
-    timings = []
-    for _ in range(3):
+    for _ in range(2):  # how fast a no-op sync is: benchmarks/bench_storage.py, not a timed test
         counts.clear()
-        t0 = time.perf_counter()
         store.upload_shards(src, "step10", 0)
-        timings.append(time.perf_counter() - t0)
         # the marker, the listing, and the store's own checksum of each file (a replaced object goes up again)
         assert counts == {"GetObject": 1, "ListObjectsV2": 1, "HeadObject": 101}, counts
-    assert min(timings) < 0.3, timings
 
     (src / "shard_007.pt").write_bytes(os.urandom(1007))  # same size, new content
     counts.clear()
