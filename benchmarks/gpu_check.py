@@ -128,7 +128,11 @@ def host_ram_check(args: argparse.Namespace, pred: PlanResult, pinning: str) -> 
     need = pred.node.ram_gb * GB
     if need > avail:
         fits = next(
-            (n for n in range(args.layers - 1, 0, -1) if plan_for(args, pred.gpu.name, None, pinning, n).host_ram_gb * GB <= avail),
+            (
+                n
+                for n in range(args.layers - 1, 0, -1)
+                if plan_for(args, pred.gpu.name, None, pinning, n).host_ram_gb * GB <= avail
+            ),
             0,
         )
         raise CannotRun(
@@ -153,7 +157,9 @@ def prepare_process(args: argparse.Namespace) -> None:
 
     threads = hostenv.bind_threads()
     conf = pinning.pin_env()
-    print(f"gpu_check: rank {os.environ['RANK']} threads: {threads or 'OMP_NUM_THREADS=' + os.environ.get('OMP_NUM_THREADS', '?')}")
+    print(
+        f"gpu_check: rank {os.environ['RANK']} threads: {threads or 'OMP_NUM_THREADS=' + os.environ.get('OMP_NUM_THREADS', '?')}"
+    )
     if conf:
         say(f"gpu_check: allocator: {conf}")
 
@@ -317,6 +323,13 @@ def run(args: argparse.Namespace) -> dict:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     deepspeed.init_distributed(dist_backend="gloo" if args.cpu_smoke else "nccl")
+    if args.cpu_smoke:  # like the trainer: once every rank has mapped DeepSpeed's /dev/shm buffer, unlink it
+        import torch.distributed as dist
+
+        from trainer.loop import unlink_shm_buffer
+
+        dist.barrier()
+        unlink_shm_buffer(int(os.environ["RANK"]))
     t_build = time.perf_counter()
     model = build_model(args, pred, dev)
     ds_config = ds_config_for(args, dev.type)
@@ -423,7 +436,9 @@ def report(res: dict) -> None:
     for name in BUFFERS if res["host_buffers"] else ():
         got, want = res["host_buffers"][name], p["host_buffers"][name]
         mark = "=" if got == want else "!="
-        print(f"  rank {res['rank']} host buffer {name:13s} measured {got / GB:9.4f} GB  plan {want / GB:9.4f} GB  {mark}")
+        print(
+            f"  rank {res['rank']} host buffer {name:13s} measured {got / GB:9.4f} GB  plan {want / GB:9.4f} GB  {mark}"
+        )
     if res["rank"] != 0:
         return
     print(

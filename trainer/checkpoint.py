@@ -130,15 +130,15 @@ class Checkpointer:
                 return True
             if verdict == Room.NO_ROOM:
                 message = (
-                    f"no disk room for checkpoint {tag}: it needs {need / 1e9:.1f} GB and the node has "
-                    f"{free_bytes(self.dir) / 1e9:.1f} GB free with nothing left to delete or wait for"
+                    f"no disk room for checkpoint {tag}: it needs {_size(need)} and the node has "
+                    f"{_size(free_bytes(self.dir))} free with nothing left to delete or wait for"
                 )
                 if final:
                     raise TrainerError(message + "; raise provider.disk_gb (gpuctl plan sizes it)")
                 self.log(f"warning: {message}; skipped (the next save tries again)")
                 return False
             if not waited:
-                self.log(f"checkpoint {tag} waits for an upload to free disk ({need / 1e9:.1f} GB needed)")
+                self.log(f"checkpoint {tag} waits for an upload to free disk ({_size(need)} needed)")
                 waited = True
             if mine == Room.WAIT and self.uploader is not None:
                 self.uploader.wait_progress(self.POLL_S)
@@ -184,6 +184,10 @@ class Checkpointer:
                 shutil.rmtree(self.dir / tag, ignore_errors=True)
 
 
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
+
+
 def local_tags(ckpt_dir: Path) -> list[tuple[int, str]]:
     if not ckpt_dir.is_dir():
         return []
@@ -206,7 +210,7 @@ def resume(engine, cfg: RunConfig, env: DistEnv, store, log: Callable[[str], Non
     copied = own_optimizer_state(engine)
     still = mapped_files(load_dir / tag)
     log(
-        f"resume: checkpoint files memory-mapped; {copied / 1e9:.2f} GB of optimizer state copied off them"
+        f"resume: checkpoint files memory-mapped; {copied / 1e9:.3f} GB of optimizer state copied off them"
         f" on rank 0, {len(still)} file(s) still mapped"
     )
     if client_state.get("data_seed") != cfg.train.seed:

@@ -65,7 +65,7 @@ def offers(
         return
     from provision.cli.views import print_offers
 
-    print_offers(rows, f"{prov.kind} offers {provider.offers.filters_text(prov)}")
+    print_offers(rows, f"{cfg.provider.kind} offers {provider.offers.filters_text(prov)}")
 
 
 @app.command()

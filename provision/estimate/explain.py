@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from provision.estimate.hardware import GB
 from provision.estimate.node import PROCESS_GB, Term, collective_timeout_s
@@ -144,14 +144,15 @@ def host_lines(r: PlanResult) -> list[str]:
     return lines
 
 
-def _with(r: PlanResult, pinning: str | None = None, resume_mmap: bool | None = None) -> PlanResult:
+def _with(
+    r: PlanResult, pinning: Literal["exact", "off", "pow2"] | None = None, resume_mmap: bool | None = None
+) -> PlanResult:
+    """The same plan with pinning or resume_mmap changed (for the comparisons above)."""
     from dataclasses import replace
 
     from provision.estimate.plan import _evaluate
 
-    changes: dict = {}
-    if pinning is not None:
-        changes["pinning"] = pinning
-    if resume_mmap is not None:
-        changes["resume_mmap"] = resume_mmap
-    return _evaluate(replace(r.input, **changes))
+    inp = r.input
+    inp = replace(inp, pinning=pinning) if pinning is not None else inp
+    inp = replace(inp, resume_mmap=resume_mmap) if resume_mmap is not None else inp
+    return _evaluate(inp)

@@ -33,6 +33,7 @@ optimizer shard (12 B x partition) into RAM, unless torch.load memory-maps the f
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -206,7 +207,7 @@ def node_requirements(inp: PlanInput) -> NodeRequirements:
     return _result(inp, node_ranks, load_phases, steady, max((*resident, module), (*resident, read), key=_total))
 
 
-def _total(terms: tuple[Term, ...] | list[Term]) -> float:
+def _total(terms: Iterable[Term]) -> float:
     return sum(t.gb for t in terms)
 
 

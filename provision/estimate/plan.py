@@ -82,7 +82,15 @@ class PlanInput:
     def __post_init__(self) -> None:
         if isinstance(self.model, str) and self.model not in KNOWN_MODELS:
             raise PlanError(f"plan: unknown model {self.model!r}; known: {', '.join(KNOWN_MODELS)} (or ModelDims)")
-        for name in ("gpus_per_node", "nodes", "micro_batch", "seq_len", "reduce_bucket_size", "grad_accum", "keep_local"):
+        for name in (
+            "gpus_per_node",
+            "nodes",
+            "micro_batch",
+            "seq_len",
+            "reduce_bucket_size",
+            "grad_accum",
+            "keep_local",
+        ):
             if getattr(self, name) < 1:
                 raise PlanError(f"plan: {name} must be >= 1, got {getattr(self, name)}")
         for name, allowed in {

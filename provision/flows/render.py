@@ -237,7 +237,8 @@ def render_ds_config(cfg: GpuctlConfig, accelerator: str, world: int) -> dict[st
             run_id="gpu-check",
         )
     )
-    return json.loads(text)
+    config: dict[str, Any] = json.loads(text)
+    return config
 
 
 def _node_env_script(run_dir: str) -> str:
