@@ -281,3 +281,20 @@ def test_metrics_line_shows_the_loss_scale():
     rec = StepRecord(1, 2.0, 1e-4, 10, 5.0, 1.0, 0.0, None, None, skipped=True, loss_scale=32768.0, skipped_steps=3)
     assert "scale 32768 skipped 3" in rec.line(10) and "overflow" in rec.line(10)
     assert "scale" not in StepRecord(1, 2.0, 1e-4, 10, 5.0, 1.0, 0.0, None, None).line(10)
+
+
+# -- ckpt pull --hf says what it costs before it starts ---------------------------------------------
+def test_pull_hf_says_the_download_and_ram_first(project, gpuctl):
+    from trainer.objstore.store import CheckpointStore
+
+    tag_dir = project / "local" / "step7"
+    tag_dir.mkdir(parents=True)
+    (tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"\0" * 1_400_000)
+    (project / "gpuctl.yaml").write_text("storage: {url: ./store}\n")
+    store = CheckpointStore.from_config({"url": (project / "store").as_uri()})
+    store.upload_shards(tag_dir, "step7", 0, step=7)
+    assert store.publish("step7", 7, 1, 1, timeout=5)
+    out = gpuctl("ckpt", "pull", "step7", "--dest", "pulled", "--hf", "hf")
+    said = out.stdout + out.stderr
+    assert "--hf: downloads 0.0 GB, then zero_to_fp32 holds ~0.0 GB in RAM here" in said, said
+    assert "python -m trainer.export <run dir>/checkpoints step7 OUT --dtype bf16" in said
