@@ -9,7 +9,8 @@ processes that step DeepSpeedCPUAdam on --params elements each, together, in thr
 time of a step (the slowest rank's, as the ranks wait for each other) side by side:
 
   all-cores  OMP_NUM_THREADS unset, no binding (what a GPU rank had before issue 21)
-  share      trainer.hostenv.bind_threads(): cores // ranks threads each, bound to those cores
+  share      trainer.hostenv.bind_threads(): cores // ranks threads each, bound to those cores (fewer cores
+             than ranks: one thread each, not bound)
   one        OMP_NUM_THREADS=1, no binding (what gpuctl's CPU test ranks use)
 
     python benchmarks/bench_threads.py --ranks 3 --params 20000000 --steps 8

@@ -47,7 +47,7 @@ def test_core_share_splits_like_deepspeed_and_shares_when_short():
     shares = [hostenv.core_share(cores, r, 3) for r in range(3)]
     assert [len(s) for s in shares] == [5, 5, 5]  # 16 // 3, one core left over (DeepSpeed's rule)
     assert sorted(c for s in shares for core in s for c in core) == list(range(15))
-    assert [hostenv.core_share(cores[:2], r, 3) for r in range(3)] == [[[0]], [[1]], [[0]]]
+    assert [hostenv.core_share(cores[:2], r, 3) for r in range(3)] == [[], [], []]  # fewer cores than ranks
 
 
 BIND = "import os; from trainer import hostenv; print(hostenv.bind_threads()); " + (
@@ -64,8 +64,20 @@ def test_bind_threads_sets_omp_and_affinity_per_rank(local_rank):
     said, numbers = out.stdout.strip().splitlines()
     cores = hostenv.physical_cores(set(cpus))
     share = hostenv.core_share(cores, local_rank, 2)
+    if not share:  # a 1-core machine: one thread, the OS places it
+        assert numbers == f"1 {cpus}" and said.startswith("1 thread, not bound")
+        return
     assert numbers == f"{len(share)} {sorted(c for core in share for c in core)}"
-    assert said.startswith(f"{len(share)} threads on CPUs")
+    assert said.startswith(f"{len(share)} thread") and " on CPUs " in said
+
+
+def test_bind_threads_can_leave_placement_to_the_os():
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env.update(LOCAL_RANK="0", LOCAL_SIZE="1", GPUCTL_BIND_CORES="0", PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-c", BIND], env=env, capture_output=True, text=True, timeout=60)
+    said, numbers = out.stdout.strip().splitlines()
+    cores = len(hostenv.physical_cores(os.sched_getaffinity(0)))
+    assert "not bound (GPUCTL_BIND_CORES=0" in said and numbers == f"{cores} {sorted(os.sched_getaffinity(0))}"
 
 
 def test_bind_threads_leaves_a_set_omp_alone():
@@ -298,3 +310,17 @@ def test_pull_hf_says_the_download_and_ram_first(project, gpuctl):
     said = out.stdout + out.stderr
     assert "--hf: downloads 0.0 GB, then zero_to_fp32 holds ~0.0 GB in RAM here" in said, said
     assert "python -m trainer.export <run dir>/checkpoints step7 OUT --dtype bf16" in said
+
+
+def test_all_cores_widens_a_bound_rank_for_lone_work_then_narrows_it_back():
+    code = (
+        "import os; from trainer import hostenv; hostenv.bind_threads(); a = sorted(os.sched_getaffinity(0)); "
+        "cm = hostenv.all_cores(); cm.__enter__(); b = sorted(os.sched_getaffinity(0)); cm.__exit__(None, None, None); "
+        "print(a, b, sorted(os.sched_getaffinity(0)))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env.update(LOCAL_RANK="1", LOCAL_SIZE="2", PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    bound, widened, back = (json.loads(x) for x in out.stdout.strip().replace("] [", "]|[").split("|"))
+    assert widened == sorted(os.sched_getaffinity(0)) and back == bound
+    assert len(bound) <= len(widened)

@@ -6,7 +6,8 @@ Like DeepSpeed's `--bind_cores_to_rank` (deepspeed/utils/numa.py get_numactl_cmd
 its share of the physical cores: OMP_NUM_THREADS = cores in the share, and the process is bound to them.
 Unlike it, the cores are the ones this process may use (a container's cpuset, os.sched_getaffinity), grouped
 into physical cores from /sys (hyperthread siblings stay together), and numactl is not needed.
-An OMP_NUM_THREADS already in the environment (gpuctl.yaml env, CPU test ranks) wins: nothing is changed.
+An OMP_NUM_THREADS already in the environment (gpuctl.yaml env, CPU test ranks) wins: nothing is changed;
+GPUCTL_BIND_CORES=0 keeps the thread count but leaves placement to the OS (a node shared with other work).
 
 Pinned memory: see trainer.pinning.
 """
@@ -14,9 +15,12 @@ Pinned memory: see trainer.pinning.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 SYS_CPU = Path("/sys/devices/system/cpu")
+_NODE_CPUS: set[int] = set()  # what the process could use before bind_threads narrowed it
 
 
 def physical_cores(allowed: set[int], sys_cpu: Path = SYS_CPU) -> list[list[int]]:
@@ -35,31 +39,50 @@ def physical_cores(allowed: set[int], sys_cpu: Path = SYS_CPU) -> list[list[int]
 
 def core_share(cores: list[list[int]], local_rank: int, local_size: int) -> list[list[int]]:
     """This rank's physical cores: an even contiguous split (DeepSpeed's rule: cores // ranks each, the
-    remainder unused); with fewer cores than ranks, ranks share cores round-robin."""
-    if not cores:
-        return []
+    remainder unused); [] when there are fewer cores than ranks (binding would stack ranks on some cores
+    while others idle: measured slower than letting the OS spread them, benchmarks/bench_threads.py)."""
     per_rank = len(cores) // local_size
-    if per_rank == 0:
-        return [cores[local_rank % len(cores)]]
     return cores[local_rank * per_rank : (local_rank + 1) * per_rank]
 
 
 def bind_threads(environ: dict[str, str] | None = None) -> str | None:
     """Set OMP_NUM_THREADS and the CPU affinity of this rank to its share; returns what it did (for the log),
-    None when the environment already decides (OMP_NUM_THREADS set) or this is not a launched rank."""
+    None when the environment already decides (OMP_NUM_THREADS set) or this is not a launched rank. With
+    fewer cores than ranks: one thread each, not bound."""
     env = os.environ if environ is None else environ
     if "OMP_NUM_THREADS" in env or "LOCAL_RANK" not in env:
         return None
     local_rank = int(env["LOCAL_RANK"])
     local_size = int(env.get("LOCAL_SIZE") or env.get("LOCAL_WORLD_SIZE") or 1)
     allowed = os.sched_getaffinity(0)
-    share = core_share(physical_cores(allowed), local_rank, local_size)
+    cores = physical_cores(allowed)
+    share = core_share(cores, local_rank, local_size)
     if not share:
-        return None
+        env["OMP_NUM_THREADS"] = "1"
+        return f"1 thread, not bound ({len(cores)} cores for {local_size} ranks)"
     cpus = sorted(c for core in share for c in core)
-    env["OMP_NUM_THREADS"] = str(len(share))
+    n = len(share)
+    env["OMP_NUM_THREADS"] = str(n)
+    if env.get("GPUCTL_BIND_CORES", "1") == "0":
+        return f"{n} thread{'s' if n > 1 else ''}, not bound (GPUCTL_BIND_CORES=0; {len(cores)} cores)"
+    _NODE_CPUS.update(allowed)
     os.sched_setaffinity(0, cpus)
-    return f"{len(share)} threads on CPUs {_ranges(cpus)} ({len(share)} of {len(physical_cores(allowed))} cores)"
+    return f"{n} thread{'s' if n > 1 else ''} on CPUs {_ranges(cpus)} ({n} of {len(cores)} cores)"
+
+
+@contextmanager
+def all_cores() -> Iterator[None]:
+    """Work one rank does alone while the others wait (tokenizing the dataset): every core of the node
+    for the threads started inside (the tokenizer's pool sizes itself from the affinity), then back."""
+    if not _NODE_CPUS:
+        yield
+        return
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, _NODE_CPUS)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, mine)
 
 
 def _ranges(cpus: list[int]) -> str:

@@ -32,6 +32,7 @@ from trainer.dataset import (
     prepare_token_file,
     resolve_data,
 )
+from trainer.hostenv import all_cores
 from trainer.metrics import (
     MetricsLog,
     StepRecord,
@@ -253,9 +254,10 @@ def load_data(cfg: RunConfig, env: DistEnv, tokenizer) -> PackedTokens:
     """Local rank 0 downloads (s3://) and tokenizes once into a token file; every rank memory-maps it."""
     source = resolve_data(cfg.train.data, cfg.run_dir)  # every rank: the same one-line error for a bad path/url
     if env.is_local_main:
-        prepare_token_file(
-            cfg.train.data, cfg.run_dir, cfg.storage, tokenizer, lambda m: print(f"trainer: {m}", flush=True)
-        )
+        with all_cores():  # the other ranks wait: tokenize on every core, not this rank's share
+            prepare_token_file(
+                cfg.train.data, cfg.run_dir, cfg.storage, tokenizer, lambda m: print(f"trainer: {m}", flush=True)
+            )
     dist.barrier()
     token_file = cache_path(source, tokenizer, cfg.run_dir / "cache")
     return PackedTokens(token_file, len(tokenizer), cfg.train.seq_len)
