@@ -21,6 +21,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_run_config(run_json)
         env = DistEnv.from_env(cfg.num_nodes)
+        prepare_process(env)  # before torch loads: OpenMP and the pinned allocator read the env once
         # heavy imports (torch, deepspeed) only once the config is sound
         from trainer import loop
 
@@ -36,6 +37,17 @@ def main(argv: list[str]) -> int:
     except Exception as exc:  # the one top-level catch: record the failure, keep the traceback
         _record_failure(cfg, run_json, env, f"{type(exc).__name__}: {exc}")
         raise
+
+
+def prepare_process(env: DistEnv) -> None:
+    """CPU threads and core binding for this rank, exact-size pinning where torch has it (trainer.hostenv,
+    trainer.pinning); one line per rank says what it got."""
+    from trainer import hostenv, pinning
+
+    threads = hostenv.bind_threads()
+    pinning.pin_env()
+    if threads:
+        print(f"trainer: rank {env.rank} (local {env.local_rank}): {threads}", flush=True)
 
 
 def _record_failure(cfg: RunConfig | None, run_json: Path, env: DistEnv, message: str) -> None:

@@ -9,17 +9,20 @@ the world size before DeepSpeed loads anything, and trainer.export rebuild the m
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
 
 from trainer.config import DistEnv, RunConfig, TrainerError
+from trainer.diskroom import LocalTag, Room, expected_save_bytes, free_bytes, plan_room, tag_bytes
 
 CKPT_DIR = "checkpoints"
 STATE_FILE = "trainer_state.json"
@@ -59,20 +62,39 @@ def drop_secrets_file() -> None:
 
 
 class Checkpointer:
-    """Saves tags, hands them to the background uploader, keeps `keep_local` on disk."""
+    """Saves tags when the disk has room, hands them to the background uploader, keeps `keep_local`."""
 
-    def __init__(self, engine, cfg: RunConfig, env: DistEnv, store, log: Callable[[str], None]):
+    POLL_S = 10.0  # while waiting for an upload to free disk: how long one collective may wait
+
+    def __init__(
+        self,
+        engine,
+        cfg: RunConfig,
+        env: DistEnv,
+        store,
+        log: Callable[[str], None],
+        *,
+        params: int = 0,
+        precision: str = "fp32",
+    ):
         self.engine, self.cfg, self.env, self.log = engine, cfg, env, log
+        self.params, self.precision = params, precision
         self.dir = cfg.run_dir / CKPT_DIR
         self.uploader = None
         self.last_tag: str | None = None
+        self.from_store: set[str] = set()  # the tag fetched for resume: the store has it
+        if cfg.resume and not cfg.resume.startswith("/") and (self.dir / "latest").is_file():
+            self.from_store.add((self.dir / "latest").read_text().strip())
         if store is not None and env.is_local_main:
             from trainer.objstore.uploader import BackgroundUploader
 
             self.uploader = BackgroundUploader(store, env.node_rank, cfg.num_nodes)
 
-    def save(self, pos: Position, train_batch_size: int) -> str:
+    def save(self, pos: Position, train_batch_size: int, final: bool = False) -> str | None:
+        """Save tag step<N> on every rank (collective); None when the disk had no room (skipped)."""
         tag = f"step{pos.step}"
+        if not self.make_room(tag, final):
+            return None
         state = {
             "step": pos.step,
             "samples_seen": pos.samples_seen,
@@ -96,8 +118,51 @@ class Checkpointer:
         self.last_tag = tag
         return tag
 
+    def make_room(self, tag: str, final: bool) -> bool:
+        """Collective: every node's local rank 0 frees what is safe (trainer.diskroom) and all ranks agree.
+        While an upload runs that would free space, everyone waits in short rounds of POLL_S."""
+        need = self.expected_bytes()
+        waited = False
+        while True:
+            mine = self._room(need) if self.env.is_local_main else Room.ROOM
+            verdict = Room(_max_everywhere(int(mine)))
+            if verdict == Room.ROOM:
+                return True
+            if verdict == Room.NO_ROOM:
+                message = (
+                    f"no disk room for checkpoint {tag}: it needs {_size(need)} and the node has "
+                    f"{_size(free_bytes(self.dir))} free with nothing left to delete or wait for"
+                )
+                if final:
+                    raise TrainerError(message + "; raise provider.disk_gb (gpuctl plan sizes it)")
+                self.log(f"warning: {message}; skipped (the next save tries again)")
+                return False
+            if not waited:
+                self.log(f"checkpoint {tag} waits for an upload to free disk ({_size(need)} needed)")
+                waited = True
+            if mine == Room.WAIT and self.uploader is not None:
+                self.uploader.wait_progress(self.POLL_S)
+
+    def _room(self, need: int) -> Room:
+        tags = [LocalTag(step, name, tag_bytes(self.dir / name)) for step, name in local_tags(self.dir)]
+        uploaded = self.uploader.uploaded_tags() if self.uploader is not None else None
+        pending = self.uploader.pending_tags() if self.uploader is not None else []
+        verdict, delete = plan_room(
+            tags, uploaded, self.from_store, pending, free_bytes(self.dir), need, self.cfg.train.keep_local
+        )
+        for t in delete:
+            shutil.rmtree(self.dir / t.name, ignore_errors=True)
+        return verdict
+
+    def expected_bytes(self) -> int:
+        """This node's share of one save: the last save's size when there is one, else the formula."""
+        if self.last_tag and (self.dir / self.last_tag).is_dir():
+            return tag_bytes(self.dir / self.last_tag)
+        env = self.env
+        return expected_save_bytes(self.params, self.precision, env.world_size, env.local_world_size, env.node_rank)
+
     def finish(self) -> None:
-        """Final sync: wait for every upload of this node, prune, then meet the other ranks."""
+        """Final sync, outside any collective: wait for every upload of this node, then prune."""
         if self.uploader is not None:
             from trainer.objstore.backends import StorageError
 
@@ -107,7 +172,6 @@ class Checkpointer:
             except StorageError as exc:
                 raise TrainerError(f"checkpoint upload failed: {exc}", everywhere=False) from None
             self.prune()
-        dist.barrier()
 
     def prune(self) -> None:
         """Delete local tags beyond the newest keep_local once the store has them or a newer one
@@ -116,8 +180,12 @@ class Checkpointer:
         uploaded = self.uploader.uploaded_tags() if self.uploader is not None else None
         newest_up = max((step for step, tag in tags if uploaded and tag in uploaded), default=-1)
         for step, tag in tags[: -self.cfg.train.keep_local]:
-            if uploaded is None or tag in uploaded or step < newest_up:
+            if uploaded is None or tag in uploaded or step < newest_up or tag in self.from_store:
                 shutil.rmtree(self.dir / tag, ignore_errors=True)
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
 
 
 def local_tags(ckpt_dir: Path) -> list[tuple[int, str]]:
@@ -135,9 +203,16 @@ def resume(engine, cfg: RunConfig, env: DistEnv, store, log: Callable[[str], Non
     else:
         load_dir, tag = fetch_from_store(cfg, env, store, log)
     check_compatible(load_dir / tag, env)
-    load_path, client_state = engine.load_checkpoint(str(load_dir), tag=tag)
+    with mapped_loads():
+        load_path, client_state = engine.load_checkpoint(str(load_dir), tag=tag)
     if load_path is None or not client_state:
         raise TrainerError(f"DeepSpeed could not load checkpoint {load_dir / tag}")
+    copied = own_optimizer_state(engine)
+    still = mapped_files(load_dir / tag)
+    log(
+        f"resume: checkpoint files memory-mapped; {copied / 1e9:.3f} GB of optimizer state copied off them"
+        f" on rank 0, {len(still)} file(s) still mapped"
+    )
     if client_state.get("data_seed") != cfg.train.seed:
         log(
             f"warning: checkpoint data_seed {client_state.get('data_seed')} != train.seed "
@@ -145,6 +220,56 @@ def resume(engine, cfg: RunConfig, env: DistEnv, store, log: Callable[[str], Non
         )
     log(f"resumed from {load_dir / tag} at step {client_state['step']}")
     return Position(step=int(client_state["step"]), samples_seen=int(client_state["samples_seen"]))
+
+
+@contextmanager
+def mapped_loads() -> Iterator[None]:
+    """torch.load memory-maps files while DeepSpeed loads a checkpoint (torch's serialization config):
+    each rank's 12 B/param optimizer shard and the 16-bit module states become page cache, not a second
+    copy in RAM on every rank at once."""
+    from torch.utils.serialization import config
+
+    before = config.load.mmap
+    config.load.mmap = True
+    try:
+        yield
+    finally:
+        config.load.mmap = before
+
+
+def own_optimizer_state(engine) -> int:
+    """After a mapped load, give the optimizer state its own memory; returns the bytes copied.
+
+    torch's Optimizer.load_state_dict keeps loaded tensors of the right dtype and device as they are, so
+    Adam's m and v would stay views of the mapped shard: its pages count as the process's, and a pruned
+    checkpoint's disk blocks would stay allocated while mapped. Copies are made one tensor at a time
+    (one 4 B/param buffer of headroom), then DeepSpeed re-links its per-parameter views of the state."""
+    import torch
+
+    zero = engine.optimizer
+    base = getattr(zero, "optimizer", zero)
+    copied = 0
+    for state in getattr(base, "state", {}).values():
+        for key, value in list(state.items()):
+            if torch.is_tensor(value) and value.numel() > 1:
+                state[key] = value.clone()
+                copied += value.nbytes
+                del value
+    relink = getattr(zero, "_link_all_hp_params", None)  # DeepSpeed ZeRO-1/2 (0.19): views into the state
+    if copied and callable(relink):
+        relink()
+    gc.collect()
+    return copied
+
+
+def mapped_files(under: Path) -> list[str]:
+    """Files under `under` this process still has memory-mapped (Linux /proc/self/maps)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    prefix = str(under.resolve())
+    return sorted({line.split(None, 5)[5].strip() for line in maps.splitlines() if prefix in line})
 
 
 def locate_local(path: Path) -> tuple[Path, str]:
@@ -182,13 +307,18 @@ def fetch_from_store(cfg: RunConfig, env: DistEnv, store, log) -> tuple[Path, st
 
 def _any_failed(flag: bool) -> bool:
     """All ranks learn whether any rank failed (also serves as the barrier)."""
+    return _max_everywhere(1 if flag else 0) > 0
+
+
+def _max_everywhere(value: int) -> int:
+    """The largest value any rank passed (a collective: every rank calls it)."""
     import torch
     from deepspeed.accelerator import get_accelerator
 
     device = "cpu" if dist.get_backend() == "gloo" else get_accelerator().current_device_name()
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(t)
-    return t.item() > 0
+    t = torch.tensor([float(value)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def check_compatible(tag_dir: Path, env: DistEnv) -> None:

@@ -26,6 +26,10 @@ class TrainerError(Exception):
 
 
 PRECISIONS = ("fp32", "fp16", "bf16")
+# The process group's timeout when run.json has none: 30 min (DeepSpeed's default, 10 min, is shorter than
+# a rank waiting for local rank 0 to download a 7B checkpoint or tokenize a large dataset).
+DEFAULT_COLLECTIVE_TIMEOUT_S = 1800
+TIMEOUT_ENV = "GPUCTL_COLLECTIVE_TIMEOUT_S"  # on the node (gpuctl.yaml env), overrides run.json
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,8 @@ class RunConfig:
     resume: str | None = None  # None, 'latest', a tag 'stepN', or an absolute local save dir
     run_dir: Path = field(default_factory=Path.cwd)  # where outputs go (the cwd)
     warnings: tuple[str, ...] = ()  # unknown keys etc., printed by rank 0
+    # seconds a collective may wait before the ranks give up (gpuctl derives it from plan's sizes)
+    collective_timeout_s: int = DEFAULT_COLLECTIVE_TIMEOUT_S
 
 
 def _typed(cls, block: dict, where: str) -> tuple[dict, list[str]]:
@@ -117,11 +123,16 @@ def parse_run_config(raw: dict, run_dir: Path) -> RunConfig:
     storage = raw.get("storage")
     if storage is not None and not isinstance(storage, dict):
         raise TrainerError("run.json: storage must be an object or null")
-    unknown += [k for k in raw if k not in ("run_id", "ds_config", "num_nodes", "train", "storage", "resume")]
+    known = ("run_id", "ds_config", "num_nodes", "train", "storage", "resume", "collective_timeout_s")
+    unknown += [k for k in raw if k not in known]
     num_nodes = raw.get("num_nodes", 1)
     if not isinstance(num_nodes, int) or num_nodes < 1:
         raise TrainerError(f"run.json: num_nodes must be an integer >= 1, got {num_nodes!r}")
+    timeout = _timeout(raw.get("collective_timeout_s", DEFAULT_COLLECTIVE_TIMEOUT_S), "run.json: collective_timeout_s")
+    if os.environ.get(TIMEOUT_ENV):
+        timeout = _timeout(os.environ[TIMEOUT_ENV], TIMEOUT_ENV)
     return RunConfig(
+        collective_timeout_s=timeout,
         run_id=str(raw.get("run_id", "local")),
         ds_config=Path(raw["ds_config"]),
         num_nodes=num_nodes,
@@ -131,6 +142,16 @@ def parse_run_config(raw: dict, run_dir: Path) -> RunConfig:
         run_dir=run_dir,
         warnings=tuple(f"run.json: ignoring unknown key {k}" for k in unknown),
     )
+
+
+def _timeout(value: object, where: str) -> int:
+    try:
+        seconds = int(str(value)) if not isinstance(value, bool) else 0
+    except ValueError:
+        seconds = 0
+    if seconds < 1:
+        raise TrainerError(f"{where} must be a whole number of seconds >= 1, got {value!r}")
+    return seconds
 
 
 def load_run_config(path: Path) -> RunConfig:

@@ -12,6 +12,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import deepspeed
@@ -31,6 +32,7 @@ from trainer.dataset import (
     prepare_token_file,
     resolve_data,
 )
+from trainer.hostenv import all_cores
 from trainer.metrics import (
     MetricsLog,
     StepRecord,
@@ -39,6 +41,7 @@ from trainer.metrics import (
     write_summary,
 )
 from trainer.model import build_model, count_params
+from trainer.pinning import exact_pinning, settle_pin_memory
 from trainer.tokenizer import load_tokenizer
 
 # DeepSpeed's ZeRO calls a torch API that torch 2.13 deprecates: one line per rank per run, no action.
@@ -109,7 +112,7 @@ def train(cfg: RunConfig, env: DistEnv) -> dict:
     store = open_store(cfg, run.say)
     pos = resume(run.engine, cfg, env, store, run.say)
     sampler = Sampler(run.data.num_samples, cfg.train.seed)
-    ckpt = Checkpointer(run.engine, cfg, env, store, run.say)
+    ckpt = Checkpointer(run.engine, cfg, env, store, run.say, params=run.params, precision=run.precision)
     metrics = MetricsLog(cfg.run_dir, cfg.train.max_steps) if env.is_main else None
     stats = RunStats(start_step=pos.step)
 
@@ -117,9 +120,11 @@ def train(cfg: RunConfig, env: DistEnv) -> dict:
     while pos.step < cfg.train.max_steps:
         pos = step_and_log(run, sampler, pos, stats, metrics)
         if checkpoint_due(cfg, pos.step):
-            ckpt.save(pos, run.geo.global_batch)
-    ckpt.finish()
-    return summarize(run, stats, pos, ckpt.last_tag)
+            ckpt.save(pos, run.geo.global_batch, final=pos.step == cfg.train.max_steps)
+    summary = summarize(run, stats, pos, ckpt.last_tag)
+    leave_process_group()  # every rank at once: no rank waits inside a collective while uploads finish
+    ckpt.finish()  # local rank 0 of each node: this node's last uploads, outside any collective
+    return summary
 
 
 def step_and_log(
@@ -145,10 +150,15 @@ def step_and_log(
 def setup(cfg: RunConfig, env: DistEnv) -> Session:
     ds_config = json.loads((cfg.run_dir / cfg.ds_config).read_text())
     precision = ds_precision(ds_config)
-    start_distributed(env, precision)
+    start_distributed(env, precision, cfg.collective_timeout_s)
     say = (lambda m: print(f"trainer: {m}", flush=True)) if env.is_main else (lambda _m: None)
     for warning in cfg.warnings:
         say(f"warning: {warning}")
+    if get_accelerator().device_name() != "cpu" and settle_pin_memory(ds_config, exact_pinning()):
+        say(
+            f"torch {torch.__version__} rounds every pinned block up to a power of two: offload buffers stay "
+            "pageable (exact-size pinning needs torch >= 2.13)"
+        )
     if precision != cfg.train.precision:
         say(f"warning: run.json precision {cfg.train.precision} but ds_config runs {precision}; using {precision}")
     tensorboard_or_off(ds_config, say)
@@ -195,8 +205,9 @@ def tensorboard_or_off(ds_config: dict, say) -> None:
         block["enabled"] = False
 
 
-def start_distributed(env: DistEnv, precision: str) -> None:
-    """Join the process group: gloo for CPU ranks, the accelerator's backend (NCCL) otherwise."""
+def start_distributed(env: DistEnv, precision: str, timeout_s: int) -> None:
+    """Join the process group: gloo for CPU ranks, the accelerator's backend (NCCL) otherwise. Every
+    collective may wait timeout_s (run.json's collective_timeout_s) for the slowest rank."""
     accel = get_accelerator()
     if precision == "fp16" and accel.device_name() == "cpu" and not accel.is_fp16_supported():
         raise TrainerError(
@@ -205,7 +216,7 @@ def start_distributed(env: DistEnv, precision: str) -> None:
         )
     if accel.device_name() != "cpu":
         accel.set_device(env.local_rank)  # before the first collective (the data barrier) under NCCL
-    deepspeed.init_distributed(dist_backend=dist_backend())
+    deepspeed.init_distributed(dist_backend=dist_backend(), timeout=timedelta(seconds=timeout_s))
     if accel.device_name() == "cpu":
         dist.barrier()  # past this, every rank has mapped every other rank's shm buffer
         unlink_shm_buffer(env.rank)
@@ -216,6 +227,14 @@ def unlink_shm_buffer(rank: int) -> None:
     every run, killed or not). Once all ranks have mapped it the name can go; the mapping stays."""
     name = f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_{os.environ.get('MASTER_PORT')}_{rank}"
     Path("/dev/shm", name).unlink(missing_ok=True)
+
+
+def leave_process_group() -> None:
+    """End of training: all ranks meet once more, then each leaves the group. What follows (uploads,
+    summary.json) runs without collectives, so no rank sits in one while another uploads for an hour."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def dist_backend() -> str:
@@ -235,9 +254,10 @@ def load_data(cfg: RunConfig, env: DistEnv, tokenizer) -> PackedTokens:
     """Local rank 0 downloads (s3://) and tokenizes once into a token file; every rank memory-maps it."""
     source = resolve_data(cfg.train.data, cfg.run_dir)  # every rank: the same one-line error for a bad path/url
     if env.is_local_main:
-        prepare_token_file(
-            cfg.train.data, cfg.run_dir, cfg.storage, tokenizer, lambda m: print(f"trainer: {m}", flush=True)
-        )
+        with all_cores():  # the other ranks wait: tokenize on every core, not this rank's share
+            prepare_token_file(
+                cfg.train.data, cfg.run_dir, cfg.storage, tokenizer, lambda m: print(f"trainer: {m}", flush=True)
+            )
     dist.barrier()
     token_file = cache_path(source, tokenizer, cfg.run_dir / "cache")
     return PackedTokens(token_file, len(tokenizer), cfg.train.seq_len)
@@ -256,6 +276,7 @@ def train_step(run: Session, sampler: Sampler, pos: Position) -> torch.Tensor:
         engine.backward(loss)  # DeepSpeed scales by 1/grad_accum
         engine.step()  # applies the update only at the accumulation boundary
         loss_sum += loss.detach()
+        del logits, loss  # free the logits (seq x vocab) before the next micro-step's forward
     return loss_sum
 
 
@@ -293,6 +314,8 @@ def record_step(
             mfu=rate.mfu,
             peak_mem_gb=mem,
             skipped=run.precision == "fp16" and not run.engine.was_step_applied(),
+            loss_scale=loss_scale(run),
+            skipped_steps=skipped_steps(run),
         )
     )
     monitor = getattr(run.engine, "monitor", None)
@@ -306,6 +329,17 @@ def record_step(
         )
     stats.first_loss = loss if stats.first_loss is None else stats.first_loss
     stats.final_loss, stats.peak_mem_gb = loss, mem
+
+
+def loss_scale(run: Session) -> float | None:
+    """fp16's dynamic loss scale now (None for bf16/fp32: no scaling)."""
+    scale = getattr(run.engine.optimizer, "loss_scale", None) if run.precision == "fp16" else None
+    return float(scale) if scale is not None else None
+
+
+def skipped_steps(run: Session) -> int:
+    """Optimizer steps DeepSpeed skipped on fp16 overflow so far (kept across resume in its checkpoint)."""
+    return int(getattr(run.engine, "skipped_steps", 0) or 0)
 
 
 def checkpoint_due(cfg: RunConfig, step: int) -> bool:
@@ -332,6 +366,8 @@ def summarize(run: Session, stats: RunStats, pos: Position, last_tag: str | None
         "seq_len": run.geo.seq_len,
         "params": run.params,
         "precision": run.precision,
+        "loss_scale": loss_scale(run),
+        "skipped_steps": skipped_steps(run),
         "last_checkpoint": last_tag,
     }
 

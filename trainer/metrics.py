@@ -67,6 +67,8 @@ class StepRecord:
     mfu: float | None
     peak_mem_gb: list[float] | None  # per rank, torch.cuda.max_memory_allocated; None on CPU
     skipped: bool = False  # fp16 overflow: DeepSpeed skipped this optimizer step
+    loss_scale: float | None = None  # fp16's dynamic loss scale after this step; None for bf16/fp32
+    skipped_steps: int = 0  # fp16 overflow steps skipped so far in the run
     time: float = field(default_factory=time.time)
 
     def line(self, max_steps: int) -> str:
@@ -78,6 +80,8 @@ class StepRecord:
             text += f" tflops {self.tflops_per_gpu:.1f} mfu {100 * self.mfu:.1f}%"
         if self.peak_mem_gb:
             text += f" mem {max(self.peak_mem_gb):.1f}GB"
+        if self.loss_scale is not None:
+            text += f" scale {self.loss_scale:g}" + (f" skipped {self.skipped_steps}" if self.skipped_steps else "")
         return text + (" (overflow: step skipped)" if self.skipped else "")
 
 

@@ -65,6 +65,8 @@ def pull(
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
     store, cfg = _store(config)
+    if hf is not None:
+        _say_export_cost(store, tag)
     with Progress(
         "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(), transient=True
     ) as bar:
@@ -73,6 +75,25 @@ def pull(
     say(f"pulled {info.tag} (step {info.step}, {info.size / 1e6:,.1f} MB) into {dest}")
     if hf is not None:
         _export_hf(dest, info.tag, hf, cfg.train.model, cfg.train.tokenizer)
+
+
+def _say_export_cost(store: CheckpointStore, tag: str | None) -> None:
+    """Before a long download: what --hf will cost here, and the lighter way on the node."""
+    from trainer.objstore.backends import StorageError
+
+    try:
+        info = store.latest() if tag is None else store.info(tag)
+    except (StorageError, ValueError):  # the download below says what is wrong
+        return
+    if info is None or not info.size:
+        return
+    params = info.size / 14  # a 16-bit ZeRO save: 2 B/param module + 12 B/param optimizer shards
+    say(
+        f"--hf: downloads {info.size / 1e9:,.1f} GB, then zero_to_fp32 holds ~{8 * params / 1e9:,.1f} GB in RAM "
+        f"here (fp32 partitions + the fp32 state dict). Weights only, on the node instead: `gpuctl ssh`, then "
+        f"`python -m trainer.export <run dir>/checkpoints {info.tag} OUT --dtype bf16` "
+        f"(~{2 * params / 1e9:,.1f} GB to copy back)"
+    )
 
 
 def _export_hf(dest: Path, tag: str, out: Path, model: str, tokenizer: str | None) -> None:

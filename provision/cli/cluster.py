@@ -54,16 +54,18 @@ def offers(
 
     cfg = load(config)
     provider = backend(cfg.provider.kind)
-    prov = cfg.provider
-    if provider.offers is None or not isinstance(prov, CloudProvider):
-        raise ConfigError(f"provider {prov.kind} rents nothing", "offers are for vast, runpod and aws")
+    if provider.offers is None or not isinstance(cfg.provider, CloudProvider):
+        raise ConfigError(f"provider {cfg.provider.kind} rents nothing", "offers are for vast, runpod and aws")
+    from provision.estimate.sizing import sized_provider
+
+    prov = sized_provider(cfg)  # min_ram_gb / disk_gb from plan's node figures unless set
     rows = provider.offers.find_offers(prov)[:limit]
     if as_json:
         typer.echo(json.dumps([asdict(o) for o in rows], indent=2))
         return
     from provision.cli.views import print_offers
 
-    print_offers(rows, f"{prov.kind} offers {provider.offers.filters_text(prov)}")
+    print_offers(rows, f"{cfg.provider.kind} offers {provider.offers.filters_text(prov)}")
 
 
 @app.command()

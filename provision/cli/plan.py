@@ -26,12 +26,14 @@ def plan(
     zero_stage: Annotated[Optional[int], typer.Option("--zero-stage")] = None,
     offload: Annotated[Optional[str], typer.Option(help="none | cpu")] = None,
     micro_batch: Annotated[Optional[int], typer.Option("--micro-batch")] = None,
+    grad_accum: Annotated[Optional[int], typer.Option("--grad-accum")] = None,
     seq_len: Annotated[Optional[int], typer.Option("--seq-len")] = None,
     checkpointing: Annotated[Optional[bool], typer.Option("--checkpointing/--no-checkpointing")] = None,
     precision: Annotated[Optional[str], typer.Option(help="fp16 | bf16 | fp32")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="figures for scripts")] = False,
 ) -> None:
-    """GPU memory per rank, host RAM, fits or not, the closest config that fits, tokens/s."""
+    """GPU memory per rank, host RAM per node (load, steady, resume) and disk, the closest config that fits,
+    tokens/s."""
     from provision.estimate.plan import PlanInput, plan_to_json
     from provision.estimate.plan import plan as run_plan
 
@@ -45,6 +47,7 @@ def plan(
         zero_stage=zero_stage,
         offload_optimizer=offload,
         micro_batch=micro_batch,
+        grad_accum=grad_accum,
         seq_len=seq_len,
         gradient_checkpointing=checkpointing,
         precision=precision,
@@ -62,24 +65,7 @@ def plan(
 
 
 def plan_defaults(cfg: GpuctlConfig | None) -> dict[str, Any]:
-    """The run's own gpuctl.yaml as plan input; DeepSeek-7B on 3x RTX 4090 without one."""
-    if cfg is None:
-        return {}
-    from provision.core.config import CloudProvider
+    """The run's own gpuctl.yaml as plan input (provision.estimate.sizing); the seed setup without one."""
+    from provision.estimate.sizing import plan_input
 
-    prov, train = cfg.provider, cfg.train
-    gpus = getattr(prov, "gpus_per_node", None) or getattr(prov, "cpu_ranks", None) or 1
-    out = dict(
-        model=train.model,
-        gpus_per_node=gpus,
-        nodes=getattr(prov, "nodes", None) or len(getattr(prov, "hosts", []) or [1]),
-        zero_stage=train.zero_stage,
-        offload_optimizer=train.offload_optimizer,
-        micro_batch=train.micro_batch,
-        seq_len=train.seq_len,
-        gradient_checkpointing=train.gradient_checkpointing,
-        precision=train.precision,
-    )
-    if isinstance(prov, CloudProvider) and prov.gpu:
-        out["gpu"] = prov.gpu
-    return out
+    return plan_input(cfg)

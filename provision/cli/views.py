@@ -135,7 +135,32 @@ def plan_table(result: PlanResult) -> RenderableType:
         table.add_row(label, f"{gb:.2f}")
     style = "bold " + ("green" if ok else "red")
     table.add_row("total", f"{mem.total_gb:.2f} / {result.gpu_capacity_gb:g}", style=style)
-    table.add_row("host RAM per node", f"{result.host_ram_gb:.1f}")
     table.add_row("tokens/s", f"{result.tokens_per_s_low:,.0f}-{result.tokens_per_s_high:,.0f}")
     verdict = Text("FITS" if ok else "DOES NOT FIT", style=style)
-    return Group(table, verdict, *(Text(f"- {line}") for line in result.why))
+    return Group(table, node_table(result), verdict, *(Text(f"- {line}") for line in result.why))
+
+
+def node_table(result: PlanResult) -> RenderableType:
+    """Host RAM per node at load, steady and resume, and the node's disk, each term named."""
+    import math
+
+    from rich.table import Column, Table
+
+    node = result.node
+    table = Table(
+        "per node",
+        Column("load GB", justify="right"),
+        Column("steady GB", justify="right"),
+        Column("resume GB", justify="right"),
+        title=f"host RAM per node ({node.ranks} ranks) and disk",
+    )
+    phases = (node.load, node.steady, node.resume)
+    names = list(dict.fromkeys(t.name for phase in phases for t in phase))
+    for name in names:
+        table.add_row(name, *(f"{sum(t.gb for t in ph if t.name == name):.1f}" for ph in phases))
+    table.add_row("total", f"{node.load_gb:.1f}", f"{node.steady_gb:.1f}", f"{node.resume_gb:.1f}", style="bold")
+    table.add_row(f"rent (worst + {node.reserve_gb:g} GB OS)", "", f"{math.ceil(node.ram_gb)}", "", style="bold")
+    for term in node.disk:
+        table.add_row(f"disk: {term.name}", "", f"{term.gb:.1f}", "")
+    table.add_row("disk total", "", f"{math.ceil(node.disk_gb)}", "", style="bold")
+    return table

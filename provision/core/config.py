@@ -105,9 +105,18 @@ class CloudProvider(Strict):
     gpus_per_node: int = Field(default=3, ge=1, le=16)
     nodes: int = Field(default=1, ge=1, le=64)
     min_ram_gb: float = Field(
-        default=128, ge=0, le=65536, description="host RAM; 7B + CPU optimizer offload needs >= 128"
+        default=128,
+        ge=0,
+        le=65536,
+        description="host RAM per node; unset: `gpuctl plan`'s per-node figure for this config, at least 128 "
+        "(DeepSeek-7B, ZeRO-2 offload, 3 GPUs: 154)",
     )
-    disk_gb: float = Field(default=200, gt=0, le=65536)
+    disk_gb: float = Field(
+        default=200,
+        gt=0,
+        le=65536,
+        description="node disk; unset: plan's figure (model download, keep_local + 1 checkpoints, image), at least 200",
+    )
     max_price: float | None = Field(default=None, gt=0, le=10_000, description="$/h per node ceiling")
     max_hours: float | None = Field(
         default=None, gt=0, le=24 * 366, description="node tears itself down after this (hours from `up`)"

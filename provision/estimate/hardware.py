@@ -43,6 +43,16 @@ class ModelDims:
         """Largest module's own params, as DeepSpeed's model_to_params counts it (one weight for Llama)."""
         return max(self.vocab * self.hidden, self.hidden * self.intermediate, self.hidden * self.hidden)
 
+    def param_numels(self) -> list[int]:
+        """Element counts in `model.parameters()` order of transformers' LlamaForCausalLM: embedding;
+        per layer q, k, v, o, gate, up, down, input norm, post-attention norm; final norm; lm_head.
+        DeepSpeed flattens and partitions the parameters in this order."""
+        kv_dim = (self.kv_heads or self.heads) * (self.hidden // self.heads)
+        h, i = self.hidden, self.intermediate
+        layer = [h * h, h * kv_dim, h * kv_dim, h * h, i * h, i * h, h * i, h, h]
+        head = [] if self.tied_embeddings else [self.vocab * h]
+        return [self.vocab * h, *(layer * self.layers), h, *head]
+
 
 _DEEPSEEK_7B = ModelDims("deepseek-7b", layers=30, hidden=4096, heads=32, intermediate=11008, vocab=102400)
 KNOWN_MODELS: dict[str, ModelDims] = {
@@ -59,6 +69,7 @@ class GpuSpec:
     peak_tflops_fp32: float  # plain fp32 (no TF32)
     mem_gb: float
     source: str
+    bf16: bool = True  # runs bf16 at the fp16 rate (Ampere and newer); plan recommends it over fp16 then
 
 
 GPU_TABLE: tuple[GpuSpec, ...] = (

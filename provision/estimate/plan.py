@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from provision.estimate.explain import explain
 from provision.estimate.hardware import (
     GB,
     KNOWN_MODELS,
@@ -45,6 +46,7 @@ from provision.estimate.hardware import (
     zero2_model_states_mem,
     zero3_model_states_mem,
 )
+from provision.estimate.node import NodeRequirements, collective_timeout_s, node_requirements, node_to_json
 
 # Input bounds: far beyond any real run, tight enough that no figure overflows or turns NaN.
 INT_LIMITS = {
@@ -87,11 +89,26 @@ class PlanInput:
     zero_init: bool = True  # ZeRO-3 host estimate: model built under deepspeed.zero.Init
     mfu_low: float = 0.25
     mfu_high: float = 0.45
+    # host RAM and disk (provision.estimate.node)
+    grad_accum: int = 4  # > 1 adds DeepSpeed's per-tensor accumulation buffers on the host
+    keep_local: int = 2  # checkpoints kept on the node's disk
+    round_robin_gradients: bool = True  # gpuctl's ds_config template (with offload)
+    pinning: Literal["exact", "off", "pow2"] = "exact"  # the trainer: exact-size or off; pow2 = torch's default
+    resume_mmap: bool = True  # the trainer memory-maps checkpoint files at resume
+    data_bytes: int | None = None  # the dataset file, when known (disk, tokenize time)
 
     def __post_init__(self) -> None:
         if isinstance(self.model, str) and self.model not in KNOWN_MODELS:
             raise PlanError(f"plan: unknown model {self.model!r}; known: {', '.join(KNOWN_MODELS)} (or ModelDims)")
-        for name in ("gpus_per_node", "nodes", "micro_batch", "seq_len", "reduce_bucket_size"):
+        for name in (
+            "gpus_per_node",
+            "nodes",
+            "micro_batch",
+            "seq_len",
+            "reduce_bucket_size",
+            "grad_accum",
+            "keep_local",
+        ):
             if getattr(self, name) < 1:
                 raise PlanError(f"plan: {name} must be >= 1, got {getattr(self, name)}")
             if getattr(self, name) > INT_LIMITS[name]:
@@ -106,6 +123,7 @@ class PlanInput:
             "offload_param": ("none", "cpu"),
             "precision": ("fp16", "bf16", "fp32"),
             "attention": ("sdpa", "eager"),
+            "pinning": ("exact", "off", "pow2"),
         }.items():
             if getattr(self, name) not in allowed:
                 raise PlanError(f"plan: {name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -160,7 +178,9 @@ class PlanResult:
     gpu: GpuSpec
     gpu_capacity_gb: float
     memory: GpuMemory
-    host_ram_gb: float  # per node, DeepSpeed's estimate (includes additional_buffer_factor)
+    node: NodeRequirements  # host RAM (load, steady, resume) and disk per node, term by term
+    collective_timeout_s: int  # the process group's timeout the trainer gets (provision.estimate.node)
+    ds_host_ram_gb: float  # per node, DeepSpeed's estimate_zero*_model_states_mem_needs (x1.5 buffer factor)
     host_adam_states_gb: float  # per node: fp32 master + m + v + grads (+ fp16 params), no buffer factor
     fits: bool
     flops_per_token: float
@@ -174,6 +194,11 @@ class PlanResult:
     @property
     def gpu_gb_per_rank(self) -> float:
         return self.memory.total_gb
+
+    @property
+    def host_ram_gb(self) -> float:
+        """Host RAM a node needs (the worst of load, steady, resume, plus the OS reserve)."""
+        return self.node.ram_gb
 
 
 def _activation_bytes(inp: PlanInput, m: ModelDims) -> tuple[float, float]:
@@ -233,6 +258,7 @@ def _evaluate(inp: PlanInput) -> PlanResult:
         states,
     )
     spec = find_gpu(inp.gpu)
+    node = node_requirements(inp)
     capacity = inp.gpu_mem_gb if inp.gpu_mem_gb is not None else spec.mem_gb
     peak = (spec.peak_tflops_fp32 if w == 4 else spec.peak_tflops_16bit) * 1e12
     fpt = 6 * p * (8 / 6 if inp.gradient_checkpointing else 1)
@@ -243,7 +269,9 @@ def _evaluate(inp: PlanInput) -> PlanResult:
         gpu=spec,
         gpu_capacity_gb=capacity,
         memory=mem,
-        host_ram_gb=ds_cpu / GB,
+        node=node,
+        collective_timeout_s=collective_timeout_s(inp, node)[0],
+        ds_host_ram_gb=ds_cpu / GB,
         host_adam_states_gb=((16 + 2 * off_p) * p / inp.nodes if off else 0) / GB,
         fits=mem.total_gb <= capacity,
         flops_per_token=fpt,
@@ -301,89 +329,10 @@ def _changes(a: PlanInput, b: PlanInput) -> tuple[float, list[str]]:
     return cost, out
 
 
-def _explain(r: PlanResult) -> list[str]:
-    inp, m, mem, p, n = r.input, r.model, r.memory, r.params, r.input.total_gpus
-    w = 4 if inp.precision == "fp32" else 2
-    dtype = "fp32" if w == 4 else inp.precision
-    off_staging = inp.offload_optimizer == "cpu" and inp.zero_stage in (1, 2)
-    lines = [
-        f"{m.name}: {p / 1e9:.2f}e9 parameters (Llama: {m.layers} layers, hidden {m.hidden}, "
-        f"FFN {m.intermediate}, vocab {m.vocab}, {'tied' if m.tied_embeddings else 'untied'} embeddings)."
-    ]
-    if inp.zero_stage < 3:
-        part = {0: "nothing", 1: "optimizer states", 2: "gradients and optimizer states"}[inp.zero_stage]
-        lines.append(
-            f"Floor: ZeRO-{inp.zero_stage} partitions {part} across the {n} ranks, but every rank keeps "
-            f"a full {dtype} copy of the parameters: {p / 1e9:.2f}e9 x {w} bytes = {w * p / GB:.1f} GB "
-            f"(~{w * p / GB:.0f} GB) per GPU whatever the GPU count or offload. "
-            "Only ZeRO-3 partitions the parameters."
-        )
-    else:
-        lines.append(
-            f"ZeRO-3 partitions the parameters: {mem.weights_gb:.1f} GB per rank = "
-            f"{'none (offload_param=cpu)' if inp.offload_param == 'cpu' else f'{w}P/{n}'} + 4 x the "
-            f"largest layer ({m.largest_layer_params / 1e6:.0f}M params) gathered; it costs an "
-            f"extra all-gather of the weights in forward and backward."
-        )
-    if inp.offload_optimizer == "cpu":
-        lines.append(
-            f"offload_optimizer=cpu keeps fp32 master + Adam momentum + variance + fp32 grads "
-            f"(16 bytes/param = {r.host_adam_states_gb:.1f} GB per node, pinned) in host RAM; "
-            f"the CPU runs Adam and the GPU keeps only {dtype} weights and buffers."
-        )
-    else:
-        lines.append(
-            f"No offload: grads {mem.grads_gb:.1f} GB + fp32 master and Adam m/v {mem.optimizer_gb:.1f} GB "
-            f"per rank on the GPU (DeepSpeed: 18 bytes/param, split over the ranks by ZeRO-2/3)."
-        )
-    lines.append(
-        f"Activations, micro_batch {inp.micro_batch} x seq {inp.seq_len}: {mem.activations_ckpt_gb:.1f} GB "
-        f"with gradient checkpointing, {mem.activations_full_gb:.1f} GB without (Korthikanti et al. "
-        f"2022 count for Llama; {10 * inp.seq_len * inp.micro_batch * m.vocab / GB:.1f} GB of it is "
-        f"the logits for vocab {m.vocab}). Using: "
-        f"{'checkpointing' if inp.gradient_checkpointing else 'no checkpointing'}."
-    )
-    lines.append(
-        f"Buffers {mem.buffers_gb:.1f} GB: reduce bucket {inp.reduce_bucket_size:.0e} elements x {w} bytes, "
-        f"the dense gradient of the largest tensor ({m.largest_layer_params / 1e6:.0f}M)"
-        f"{' and its offload staging copy' if off_staging else ''}"
-        f"; plus {mem.fragmentation_gb:.1f} GB fragmentation ({inp.fragmentation:.0%}) and "
-        f"{mem.cuda_context_gb:.1f} GB CUDA context."
-    )
-    verdict = (
-        f"fits with {r.gpu_capacity_gb - mem.total_gb:.1f} GB to spare"
-        if r.fits
-        else f"does NOT fit (over by {mem.total_gb - r.gpu_capacity_gb:.1f} GB)"
-    )
-    lines.append(f"Per rank {mem.total_gb:.1f} GB of {r.gpu_capacity_gb:g} GB on {r.gpu.name}: {verdict}.")
-    est = "estimate_zero3_model_states_mem_needs" if inp.zero_stage == 3 else "estimate_zero2_model_states_mem_needs"
-    lines.append(
-        f"Host RAM per node: {r.host_ram_gb:.1f} GB by DeepSpeed's {est} "
-        f"(x{inp.additional_buffer_factor} buffer factor); rent hosts with at least that much."
-    )
-    peak = r.gpu.peak_tflops_fp32 if w == 4 else r.gpu.peak_tflops_16bit
-    lines.append(
-        f"Throughput: {n} x {peak:g} TFLOP/s x {inp.mfu_low:.0%}-{inp.mfu_high:.0%} / "
-        f"({r.flops_per_token / p:.0f} x params) FLOPs per token"
-        f"{' (6 + 2 recompute)' if inp.gradient_checkpointing else ''} = "
-        f"{r.tokens_per_s_low:,.0f}-{r.tokens_per_s_high:,.0f} tokens/s "
-        f"(FLOP ceiling {r.flop_ceiling_tokens_per_s:,.0f}; peak: {r.gpu.source})."
-    )
-    if n > 1 and inp.zero_stage >= 1:
-        every = "micro-step" if inp.zero_stage >= 2 else "optimizer step"
-        lines.append(
-            f"Not modelled: every {every} reduces {w * p / GB:.1f} GB of gradients across ranks"
-            f"{' (RTX 4090: PCIe only, no P2P)' if 'RTX' in r.gpu.name else ''}"
-            f"{' and the CPU Adam step' if inp.offload_optimizer == 'cpu' else ''}; "
-            "these can pull throughput below the range."
-        )
-    return lines
-
-
 def plan(inp: PlanInput) -> PlanResult:
     """Plan one configuration; when it does not fit, also find the cheapest change that does."""
     result = _evaluate(inp)
-    why = _explain(result)
+    why = explain(result)
     closest, changes = None, []
     if not result.fits:
         best = None
@@ -400,7 +349,7 @@ def plan(inp: PlanInput) -> PlanResult:
                 "use GPUs with more memory or more GPUs."
             )
         else:
-            closest, changes = replace(best[1], why=_explain(best[1])), best[2]
+            closest, changes = replace(best[1], why=explain(best[1])), best[2]
             why.append(
                 f"Closest config that fits: {', '.join(changes)} -> {closest.memory.total_gb:.1f} GB "
                 f"per rank, {closest.tokens_per_s_low:,.0f}-{closest.tokens_per_s_high:,.0f} tokens/s."
@@ -426,6 +375,9 @@ def plan_to_json(result: PlanResult) -> dict[str, Any]:
         | {"model_states": round(mem.model_states_bytes / GB, 3)},
         "model_states_gpu_bytes": mem.model_states_bytes,
         "host_ram_gb": round(result.host_ram_gb, 3),
+        "node": node_to_json(result.node),
+        "collective_timeout_s": result.collective_timeout_s,
+        "ds_host_ram_gb": round(result.ds_host_ram_gb, 3),
         "host_adam_states_gb": round(result.host_adam_states_gb, 3),
         "fits": result.fits,
         "tokens_per_s": {"low": round(result.tokens_per_s_low, 1), "high": round(result.tokens_per_s_high, 1)},

@@ -96,9 +96,13 @@ def template_env(config_dir: Path | None) -> jinja2.Environment:
 
 
 def rank_env(cfg: GpuctlConfig, spec: BundleSpec) -> dict[str, str]:
+    """The ranks' environment. CPU threads of GPU ranks are not set here: each rank takes its share of the
+    node's physical cores itself (trainer/hostenv.py), unless gpuctl.yaml's env sets OMP_NUM_THREADS."""
     env: dict[str, str] = {}
     if spec.accelerator == "cpu":
         env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    else:  # the allocator grows segments instead of stranding 2 MB-aligned blocks (fragmentation)
+        env.update(PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
     if spec.gpu_name and re.search(r"RTX 40\d0|RTX 4090|RTX 4080|RTX 4070", spec.gpu_name):
         env.update(RTX40_NCCL)
     env.update(cfg.env)  # the user's word wins, NCCL overrides included
@@ -141,7 +145,29 @@ def run_json(cfg: GpuctlConfig, spec: BundleSpec, data_rel: str) -> dict[str, An
         "train": train,
         "storage": cfg.storage_settings(for_node=True),
         "resume": spec.resume,
+        "collective_timeout_s": collective_timeout(cfg, spec),
     }
+
+
+def collective_timeout(cfg: GpuctlConfig, spec: BundleSpec) -> int:
+    """The process group's timeout: plan's figure from the checkpoint and data sizes (provision.estimate
+    .node.collective_timeout_s), the 30-minute floor for models plan does not know."""
+    from provision.estimate.hardware import KNOWN_MODELS, PlanError
+    from provision.estimate.node import TIMEOUT_FLOOR_S, collective_timeout_s
+    from provision.estimate.plan import PlanInput
+    from provision.estimate.sizing import plan_input
+
+    fields = plan_input(cfg) | {"gpus_per_node": max(n.slots for n in spec.nodes), "nodes": len(spec.nodes)}
+    if spec.gpu_name:
+        fields["gpu"] = spec.gpu_name
+    if fields.get("model") not in KNOWN_MODELS:
+        return TIMEOUT_FLOOR_S
+    for gpu in (fields.get("gpu", "RTX 4090"), "RTX 4090"):  # a GPU plan's table lacks: sizes hold anyway
+        try:
+            return collective_timeout_s(PlanInput(**(fields | {"gpu": gpu})))[0]
+        except PlanError:
+            continue
+    return TIMEOUT_FLOOR_S
 
 
 def render_bundle(cfg: GpuctlConfig, spec: BundleSpec, out_dir: Path) -> Path:
@@ -190,6 +216,23 @@ def render_bundle(cfg: GpuctlConfig, spec: BundleSpec, out_dir: Path) -> Path:
             atomic_write(out_dir / NODE_ENV, _node_env_script(spec.run_dir), 0o644)
     _ship_trainer(out_dir / "lib" / "trainer")
     return out_dir
+
+
+def render_ds_config(cfg: GpuctlConfig, accelerator: str, world: int) -> dict[str, Any]:
+    """The ds_config gpuctl would render for this config on `world` ranks of `accelerator` (cpu | cuda),
+    without writing a bundle (benchmarks/gpu_check.py trains with it)."""
+    text = (
+        template_env(cfg.base_dir)
+        .get_template(TEMPLATES["ds_config.json"])
+        .render(
+            train=cfg.train,
+            train_batch_size=check_batch(cfg.train, world),
+            accelerator=accelerator,
+            run_id="gpu-check",
+        )
+    )
+    config: dict[str, Any] = json.loads(text)
+    return config
 
 
 def _node_env_script(run_dir: str) -> str:

@@ -160,8 +160,9 @@ class CloudBackend(ProviderBackend):
 
     # the ProviderBackend interface -------------------------------------------------------------
     def up(self, cfg: GpuctlConfig, opts: UpOptions) -> ClusterRecord | None:
-        prov = cfg.provider
-        assert isinstance(prov, CloudProvider)  # backend(kind) picked this backend for it
+        from provision.estimate.sizing import sized_provider
+
+        prov = sized_provider(cfg)  # min_ram_gb / disk_gb from plan's node figures unless set
         offers = self.find_offers(prov)
         if not offers:
             raise NoOfferError(

@@ -109,6 +109,17 @@ class BackgroundUploader:
         with self._cond:
             return set(self._uploaded)
 
+    def pending_tags(self) -> list[str]:
+        """Tags submitted and not finished (uploading or queued), oldest first."""
+        with self._cond:
+            return list(self._pending)
+
+    def wait_progress(self, timeout: float) -> None:
+        """Block until one more submitted checkpoint finishes (or fails), at most timeout seconds."""
+        with self._cond:
+            left = len(self._pending)
+            self._cond.wait_for(lambda: len(self._pending) < left, timeout)
+
     def errors(self) -> list[str]:
         with self._cond:
             return list(self._errors)

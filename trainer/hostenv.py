@@ -1,0 +1,97 @@
+"""The rank's process environment, decided on the node before torch loads (no torch import here).
+
+CPU threads: with ZeRO-Offload every GPU rank runs CPU Adam (DeepSpeed's OpenMP op) on its partition.
+Unset, OpenMP gives each rank a thread per core, so N ranks put N x cores threads on the cores at once.
+Like DeepSpeed's `--bind_cores_to_rank` (deepspeed/utils/numa.py get_numactl_cmd), each local rank gets
+its share of the physical cores: OMP_NUM_THREADS = cores in the share, and the process is bound to them.
+Unlike it, the cores are the ones this process may use (a container's cpuset, os.sched_getaffinity), grouped
+into physical cores from /sys (hyperthread siblings stay together), and numactl is not needed.
+An OMP_NUM_THREADS already in the environment (gpuctl.yaml env, CPU test ranks) wins: nothing is changed;
+GPUCTL_BIND_CORES=0 keeps the thread count but leaves placement to the OS (a node shared with other work).
+
+Pinned memory: see trainer.pinning.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+SYS_CPU = Path("/sys/devices/system/cpu")
+_NODE_CPUS: set[int] = set()  # what the process could use before bind_threads narrowed it
+
+
+def physical_cores(allowed: set[int], sys_cpu: Path = SYS_CPU) -> list[list[int]]:
+    """The allowed logical CPUs grouped by physical core (package, core id), in CPU order. A CPU whose
+    topology /sys does not show counts as its own core."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for cpu in sorted(allowed):
+        topo = sys_cpu / f"cpu{cpu}" / "topology"
+        try:
+            key = ((topo / "physical_package_id").read_text().strip(), (topo / "core_id").read_text().strip())
+        except OSError:
+            key = ("cpu", str(cpu))
+        groups.setdefault(key, []).append(cpu)
+    return list(groups.values())
+
+
+def core_share(cores: list[list[int]], local_rank: int, local_size: int) -> list[list[int]]:
+    """This rank's physical cores: an even contiguous split (DeepSpeed's rule: cores // ranks each, the
+    remainder unused); [] when there are fewer cores than ranks (binding would stack ranks on some cores
+    while others idle: measured slower than letting the OS spread them, benchmarks/bench_threads.py)."""
+    per_rank = len(cores) // local_size
+    return cores[local_rank * per_rank : (local_rank + 1) * per_rank]
+
+
+def bind_threads(environ: dict[str, str] | None = None) -> str | None:
+    """Set OMP_NUM_THREADS and the CPU affinity of this rank to its share; returns what it did (for the log),
+    None when the environment already decides (OMP_NUM_THREADS set) or this is not a launched rank. With
+    fewer cores than ranks: one thread each, not bound."""
+    env = os.environ if environ is None else environ
+    if "OMP_NUM_THREADS" in env or "LOCAL_RANK" not in env:
+        return None
+    local_rank = int(env["LOCAL_RANK"])
+    local_size = int(env.get("LOCAL_SIZE") or env.get("LOCAL_WORLD_SIZE") or 1)
+    allowed = os.sched_getaffinity(0)
+    cores = physical_cores(allowed)
+    share = core_share(cores, local_rank, local_size)
+    if not share:
+        env["OMP_NUM_THREADS"] = "1"
+        return f"1 thread, not bound ({len(cores)} cores for {local_size} ranks)"
+    cpus = sorted(c for core in share for c in core)
+    n = len(share)
+    env["OMP_NUM_THREADS"] = str(n)
+    if env.get("GPUCTL_BIND_CORES", "1") == "0":
+        return f"{n} thread{'s' if n > 1 else ''}, not bound (GPUCTL_BIND_CORES=0; {len(cores)} cores)"
+    _NODE_CPUS.update(allowed)
+    os.sched_setaffinity(0, cpus)
+    return f"{n} thread{'s' if n > 1 else ''} on CPUs {_ranges(cpus)} ({n} of {len(cores)} cores)"
+
+
+@contextmanager
+def all_cores() -> Iterator[None]:
+    """Work one rank does alone while the others wait (tokenizing the dataset): every core of the node
+    for the threads started inside (the tokenizer's pool sizes itself from the affinity), then back."""
+    if not _NODE_CPUS:
+        yield
+        return
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, _NODE_CPUS)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, mine)
+
+
+def _ranges(cpus: list[int]) -> str:
+    out: list[str] = []
+    for c in cpus:
+        if out and "-" in out[-1] and int(out[-1].split("-")[1]) == c - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{c}"
+        elif out and "-" not in out[-1] and int(out[-1]) == c - 1:
+            out[-1] = f"{out[-1]}-{c}"
+        else:
+            out.append(str(c))
+    return ",".join(out)
