@@ -55,6 +55,8 @@ INT_LIMITS = {
     "micro_batch": 65536,
     "seq_len": 1 << 22,
     "reduce_bucket_size": 1 << 40,
+    "grad_accum": 4096,  # the config's own bound
+    "keep_local": 1000,
 }
 FLOAT_LIMITS = {
     "gpu_mem_gb": (0.001, 4096.0),
