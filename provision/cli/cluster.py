@@ -120,6 +120,7 @@ def forget_host(host: Annotated[str, typer.Argument(help="host, host:port or use
 def run_all(config: ConfigOpt = None, yes: YesOpt = False) -> None:
     """up + train + down in one: the cluster goes away whatever the run's result."""
     from provision.cli.jobs import follow_to_end
+    from provision.core import interrupt
     from provision.flows import cluster, job
     from provision.providers.base import UpOptions
 
@@ -130,6 +131,9 @@ def run_all(config: ConfigOpt = None, yes: YesOpt = False) -> None:
     try:
         run = job.start_run(cfg, record, say=say)
         code = follow_to_end(run)
+    except KeyboardInterrupt:  # before the run started: the `down` below answers it
+        interrupt.answered()  # (a further Ctrl-C stops that `down`; the cluster stays recorded)
+        raise
     finally:
         if code != 130:  # detached by Ctrl-C: the run goes on, so does its cluster
             cluster.down(cfg.cluster_name, say)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from provision.core import state
+from provision.core import interrupt, state
 from provision.core.config import GpuctlConfig, check_batch
 from provision.core.errors import GpuctlError, RemoteError
 from provision.flows import job
@@ -21,8 +21,11 @@ def up(cfg: GpuctlConfig, opts: UpOptions) -> state.ClusterRecord | None:
         opts.say(f"cluster {existing.name} is already up ({existing.world_size} ranks)")
         return existing
     check_batch(cfg.train, planned(cfg).world_size)  # before anything is created
-    record = backend(cfg.provider.kind).up(cfg, opts)
-    if record is not None:
+    provider = backend(cfg.provider.kind)
+    record = provider.up(cfg, opts)
+    if record is None:
+        return None
+    try:
         check_batch(cfg.train, record.world_size)
         state.save_cluster(record)
         opts.say(f"cluster {record.name} is up: {record.world_size} ranks on {len(record.nodes)} node(s)")
@@ -35,6 +38,11 @@ def up(cfg: GpuctlConfig, opts: UpOptions) -> state.ClusterRecord | None:
         sshconfig.refresh()
         if sshconfig.ssh_reachable(record):
             opts.say(sshconfig.include_hint(record))
+        interrupt.check()  # a Ctrl-C that a finalizer swallowed on the way still undoes `up`
+    except KeyboardInterrupt:  # until `up` returns, a Ctrl-C leaves nothing rented behind
+        if not provider.undo_up(record, opts.say):
+            opts.say(f"interrupted: cluster {record.name} stays up; `gpuctl down` disconnects it")
+        raise
     return record
 
 
@@ -51,6 +59,16 @@ def down(name: str, say: Callable[[str], None] = print) -> bool:
     if cluster is None:
         say(f"cluster {name} is not up; nothing to do")
         return False
+    try:
+        _down(cluster, say)
+    except KeyboardInterrupt:
+        say(f"interrupted: cluster {name} stays recorded; run `gpuctl down` again to finish removing it")
+        raise
+    return True
+
+
+def _down(cluster: state.ClusterRecord, say: Callable[[str], None]) -> None:
+    name = cluster.name
     provider = backend(cluster.provider)
     for run in active_runs(name):
         say(f"stopping run {run.run_id}")
@@ -74,7 +92,6 @@ def down(name: str, say: Callable[[str], None] = print) -> bool:
 
     sshconfig.refresh()
     say(f"cluster {name} is down")
-    return True
 
 
 def planned(cfg: GpuctlConfig) -> state.ClusterRecord:

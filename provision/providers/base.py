@@ -94,6 +94,11 @@ class ProviderBackend(ABC):
     def self_teardown(self, cluster: ClusterRecord) -> SelfTeardown | None:
         """What a node runs to delete itself (teardown after-train, budget cap); None: nothing to delete."""
 
+    def undo_up(self, cluster: ClusterRecord, say: Callable[[str], None]) -> bool:
+        """`up` was interrupted after this backend returned: remove what it made. False when the
+        cluster is kept instead (local, ssh: nothing of it is rented)."""
+        return False
+
 
 def resolve_runtime(
     requested: str, provider_kind: str, *, image: str | None = None, has_docker: Callable[[], bool] | None = None

@@ -4,7 +4,9 @@ A provider module subclasses CloudBackend and supplies the vendor calls (find_of
 describe, terminate, list_instances, self_teardown). This module owns the rules around them:
 - `up` shows the pick, its $/h and the budget cap, asks (UpOptions.confirm), then creates;
   every created instance is recorded in state at once, and a failure or Ctrl-C before the
-  cluster is ready terminates what this attempt created (nothing else);
+  cluster is ready terminates what this attempt created (nothing else), within a bound: a
+  second Ctrl-C cannot cut the terminate calls short, only the wait for the vendor to confirm,
+  and what is not confirmed gone stays recorded for `gpuctl down`;
 - ready means SSH answers with a banner and a command runs, not the vendor saying "running";
 - `down` terminates, then polls the vendor's own list until the instances are gone.
 gpuctl logs in with the cluster's own ed25519 key (provision/mesh.py's keypair, under the
@@ -15,16 +17,15 @@ from __future__ import annotations
 
 import secrets
 import shutil
-import signal
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from provision.core import state
+from provision.core import interrupt, state
 from provision.core.config import CloudProvider, GpuctlConfig, check_batch
 from provision.core.errors import GpuctlError, NoOfferError, ProviderError
 from provision.core.state import ClusterRecord, NodeRecord
+from provision.providers.abort import UpAbort
 from provision.providers.base import (
     IMAGE_PYTHON,
     Offer,
@@ -197,6 +198,11 @@ class CloudBackend(ProviderBackend):
             budget_hours=cap,
             region=getattr(prov, "region", None),
         )
+        # Import the SSH stack before anything is rented: on a loaded machine paramiko takes
+        # seconds to import, and a Ctrl-C during an import can be swallowed (importlib's
+        # module-lock callback) or leave half-made modules that the abort could not import.
+        from provision.transport.ssh.node import SSHNode  # noqa: F401  (it imports paramiko and connect)
+
         created: list[str] = []
         attempt = secrets.token_hex(3)  # in every label: a failed create is found by it, nothing else
         labels = [f"gpuctl-{record.name}-{i}-{attempt}" for i in range(len(picks))]
@@ -237,7 +243,7 @@ class CloudBackend(ProviderBackend):
             self.terminate(cluster, instance_id)
         self.wait_gone(cluster, ids)
         self.release(cluster, say)
-        self._forget(cluster)
+        self.forget_local(cluster)
         say(f"terminated {len(ids)} {self.kind} instance(s); {self.kind} no longer lists them")
 
     # helpers -------------------------------------------------------------------------------------
@@ -249,6 +255,7 @@ class CloudBackend(ProviderBackend):
     def wait_gone(self, cluster: ClusterRecord, ids: list[str], timeout_s: float = GONE_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
+            interrupt.check()
             left = sorted({i.id for i in self.list_instances(cluster)} & set(ids))
             if not left:
                 return
@@ -268,6 +275,7 @@ class CloudBackend(ProviderBackend):
         assert node.instance_id is not None  # up() records every node with its instance id
         seen = None
         while True:
+            interrupt.check()  # a Ctrl-C that a finalizer swallowed (see core/interrupt.py)
             inst = self.describe(cluster, node.instance_id)
             if inst is None or inst.failed:
                 what = "vanished" if inst is None else f"ended in state {inst.state!r}"
@@ -291,6 +299,7 @@ class CloudBackend(ProviderBackend):
         ssh = self.ssh_node(cluster, node, pin_new=True)
         try:
             while True:  # sshd answers before the key is installed on some images: retry auth
+                interrupt.check()
                 try:
                     home = ssh.home()
                     break
@@ -328,6 +337,13 @@ class CloudBackend(ProviderBackend):
                 "pick another offer; set provider.cpu_ranks_fallback only for CPU test stand-ins",
             )
 
+    def undo_up(self, cluster: ClusterRecord, say: Callable[[str], None]) -> bool:
+        """`up` was interrupted after this backend returned (record saved, image shipping):
+        terminate its instances the way an interrupted create does."""
+        ids = [n.instance_id for n in cluster.nodes if n.instance_id]
+        self._abort(cluster, ids, [], say, KeyboardInterrupt())
+        return True
+
     def _abort(
         self,
         cluster: ClusterRecord,
@@ -336,54 +352,12 @@ class CloudBackend(ProviderBackend):
         say: Callable[[str], None],
         exc: BaseException,
     ) -> None:
-        """Terminate what this attempt created, including an instance whose create call failed
-        after the vendor acted (found by this attempt's labels). A second Ctrl-C cannot cut this short."""
+        """Terminate what this attempt created (providers/abort.py: bounded, a second Ctrl-C
+        answered, what is not confirmed gone kept recorded for `gpuctl down`)."""
         why = "interrupted" if isinstance(exc, KeyboardInterrupt) else "up failed"
-        restore = None
-        if threading.current_thread() is threading.main_thread():
-            restore = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            created = created + self._stray(cluster, labels, created, say)
-            if created:
-                say(f"{why}: terminating the {len(created)} instance(s) this attempt created")
-            left = []
-            for instance_id in created:
-                try:
-                    self.terminate(cluster, instance_id)
-                except GpuctlError as err:
-                    left.append(instance_id)
-                    say(f"could not terminate {self.kind} instance {instance_id}: {err.one_line()}")
-            if not left:
-                try:
-                    if created:
-                        self.wait_gone(cluster, created, timeout_s=120)
-                    self.release(cluster, say)
-                except GpuctlError as err:
-                    left = created
-                    say(err.one_line())
-            if left:
-                say(f"cluster {cluster.name} stays recorded: run `gpuctl down` to finish removing it")
-            else:
-                state.delete_cluster(cluster.name)
-                self._forget(cluster)
-        finally:
-            if restore is not None:
-                signal.signal(signal.SIGINT, restore)
+        UpAbort(self, cluster, say).run(created, labels, why)
 
-    def _stray(
-        self, cluster: ClusterRecord, labels: list[str], created: list[str], say: Callable[[str], None]
-    ) -> list[str]:
-        """Instances that carry this attempt's labels but were never recorded (a lost create answer)."""
-        try:
-            return [i.id for i in self.list_instances(cluster) if i.label in labels and i.id not in created]
-        except GpuctlError as err:
-            say(
-                f"warning: could not check {self.kind} for a half-created instance ({err.one_line()}); "
-                f"look for labels gpuctl-{cluster.name}-* in the {self.kind} console"
-            )
-            return []
-
-    def _forget(self, cluster: ClusterRecord) -> None:
+    def forget_local(self, cluster: ClusterRecord) -> None:
         """Cloud addresses are reused: drop the nodes' pinned host keys and the cluster key."""
         from provision.transport.ssh.node import forget_host
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import paramiko
 
+from provision.core import interrupt
 from provision.core.errors import RemoteError
 from provision.transport.ssh.hostkeys import PinPolicy, UnknownHostKey, known_hosts_path
 
@@ -152,6 +153,7 @@ def wait_for_ssh(
     """Wait until address:port answers with an SSH banner; see the module docstring."""
     delay, last = 0.5, "not tried"
     while time.monotonic() < deadline:
+        interrupt.check()
         budget = max(0.1, min(probe_timeout, deadline - time.monotonic()))
         try:
             with socket.create_connection((address, port), timeout=budget) as sock:

@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 import paramiko
 
-from provision.core import state
+from provision.core import interrupt, state
 from provision.core.errors import ConfigError, RemoteError
 from provision.transport.ignore import walk_shipped
 from provision.transport.remote import CommandResult, LineSink, Node
@@ -199,6 +199,7 @@ class SSHNode(Node):
                 chan.sendall(stdin)
             chan.shutdown_write()
             while True:
+                interrupt.check()  # a Ctrl-C that a finalizer swallowed (core/interrupt.py)
                 select.select([chan], [], [], 0.5)
                 while chan.recv_ready():
                     data = chan.recv(65536)
