@@ -202,24 +202,34 @@ def test_a_second_ctrl_c_stops_only_the_wait_and_down_finishes(cloud_up, ctrl_c,
     assert not fake.instances and not list(state_dir.glob("clusters/*.json"))
 
 
-def test_an_abort_that_outlasts_its_bound_says_what_is_left(cloud_up, project, state_dir, gpuctl, monkeypatch):
+def test_an_abort_that_outlasts_its_bound_says_what_is_left(
+    cloud_up, project, tmp_path, state_dir, gpuctl, monkeypatch
+):
+    """Two nodes, the vendor hangs on the first one's terminate: the second is terminated all
+    the same, and the abort gives up on the first after ABORT_S, leaving it recorded for `down`."""
+    from provision.flows import cluster
+
     fake, _proxy = cloud_up
+    write_config(project, {"kind": "vast", "api_url": fake.url, **node_fields(tmp_path), "nodes": 2}, name="vast-t")
     monkeypatch.setattr(abort, "ABORT_S", 2.0)
     real_view, hung = fake._view, threading.Event()
     monkeypatch.setattr(fake, "_view", lambda inst: {**real_view(inst), "actual_status": "exited"})
-    fake.on_request = lambda method, path: hung.wait(30) if method == "DELETE" else None
+    fake.on_request = lambda method, path: hung.wait(30) if method == "DELETE" and "7000001" in path else None
     said: list[str] = []
     started = time.monotonic()
     try:
         with pytest.raises(ProviderError, match="ended in state 'exited'"):
-            from provision.flows import cluster
-
             cluster.up(load_config(project / "gpuctl.yaml"), UpOptions(assume_yes=True, say=said.append))
         took = time.monotonic() - started
+        assert list(fake.instances) == [7000001] and fake.deleted == [7000002]
     finally:
         hung.set()
     assert took < 2.0 + EXIT_WITHIN_S, said
-    assert any("could not terminate vast instance 7000001: vast did not answer within the 2 s" in s for s in said)
+    assert "up failed: terminating the 2 instance(s) this attempt created (at most 2 s)" in said
+    assert (
+        "could not terminate vast instance 7000001: vast did not answer within the 2 s an abort may take"
+        in " ".join(said)
+    )
     assert (
         said[-1]
         == "cluster vast-t stays recorded with vast instance(s) 7000001: run `gpuctl down` to finish removing it"
@@ -247,6 +257,52 @@ def test_ctrl_c_after_the_provider_returned_still_terminates(cloud_up, project, 
         cluster.up(load_config(project / "gpuctl.yaml"), UpOptions(assume_yes=True, say=said.append))
     assert "interrupted: terminating the 1 instance(s) this attempt created (at most 60 s)" in said
     assert not fake.instances and fake.deleted == [7000001]
+    assert not list(state_dir.glob("clusters/*.json"))
+
+
+def test_ctrl_c_during_down_keeps_the_cluster_recorded_for_the_next_down(cloud_up, ctrl_c, project, state_dir, gpuctl):
+    from provision.flows import cluster
+
+    fake, _proxy = cloud_up
+    cluster.up(load_config(project / "gpuctl.yaml"), UpOptions(assume_yes=True, say=lambda _line: None))
+    fake.on_request = lambda method, path: ctrl_c.press(hold=True) if method == "DELETE" else None
+    ctrl_c.proc = subprocess.Popen(
+        [*GPUCTL, "down", "--yes"], cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _out, err = ctrl_c.proc.communicate(timeout=60)
+    finally:
+        ctrl_c.release.set()
+    assert ctrl_c.pressed_at is not None and time.monotonic() - ctrl_c.pressed_at < EXIT_WITHIN_S, err
+    assert ctrl_c.proc.returncode == 130, err
+    assert "interrupted: cluster vast-t stays recorded; run `gpuctl down` again to finish removing it" in err
+    assert [p.name for p in state_dir.glob("clusters/*.json")] == ["vast-t.json"]
+    fake.on_request = None
+    again = gpuctl("down", "--yes")
+    assert again.returncode == 0, again.stderr
+    assert not fake.instances and not list(state_dir.glob("clusters/*.json"))
+
+
+def test_ctrl_c_during_run_before_it_follows_takes_the_cluster_down(cloud_up, ctrl_c, project, state_dir, tmp_path):
+    """`gpuctl run` pressed while it ships the bundle: the `down` of `run` still happens."""
+    fake, _proxy = cloud_up
+    runs = tmp_path / "node" / "runs"
+    watcher = threading.Thread(
+        target=lambda: (
+            wait_until(lambda: runs.is_dir() and any(runs.iterdir()), 60, "the bundle", every=0.01),
+            ctrl_c.press(),
+        ),
+        daemon=True,
+    )
+    ctrl_c.proc = subprocess.Popen(
+        [*GPUCTL, "run", "--yes"], cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    watcher.start()
+    _out, err = ctrl_c.proc.communicate(timeout=120)
+    assert ctrl_c.proc.returncode == 130, err[-3000:]
+    assert ctrl_c.pressed_at is not None and time.monotonic() - ctrl_c.pressed_at < 3 * EXIT_WITHIN_S, err[-3000:]
+    assert "interrupted before the run was followed: taking cluster vast-t down" in err
+    assert "cluster vast-t is down" in err and not fake.instances and fake.deleted == [7000001]
     assert not list(state_dir.glob("clusters/*.json"))
 
 

@@ -131,8 +131,9 @@ def run_all(config: ConfigOpt = None, yes: YesOpt = False) -> None:
     try:
         run = job.start_run(cfg, record, say=say)
         code = follow_to_end(run)
-    except KeyboardInterrupt:  # before the run started: the `down` below answers it
+    except KeyboardInterrupt:  # before the run was followed: the `down` below answers it
         interrupt.answered()  # (a further Ctrl-C stops that `down`; the cluster stays recorded)
+        say(f"interrupted before the run was followed: taking cluster {cfg.cluster_name} down")
         raise
     finally:
         if code != 130:  # detached by Ctrl-C: the run goes on, so does its cluster

@@ -49,22 +49,31 @@ class BoundedCalls:
         self.heard = 0  # presses answered so far
 
     def __call__(self, fn: Callable[[], _T], *, may_stop: bool = False) -> _T:
-        box: dict[str, Any] = {}
+        [(value, error)] = self.each([fn], may_stop=may_stop)
+        if error is not None:
+            raise error
+        return value  # type: ignore[no-any-return]
 
-        def work() -> None:
-            try:
-                box["value"] = fn()
-            except BaseException as exc:  # noqa: BLE001  (raised again in the main thread below)
-                box["error"] = exc
-
-        worker = threading.Thread(target=work, name="gpuctl-abort-call", daemon=True)
-        worker.start()
-        while worker.is_alive():
-            self._watch(may_stop)
-            worker.join(0.1)
-        if "error" in box:
-            raise box["error"]
-        return box["value"]  # type: ignore[no-any-return]
+    def each(self, fns: list[Callable[[], Any]], *, may_stop: bool = False) -> list[tuple[Any, BaseException | None]]:
+        """Run fns at once (one hung call does not keep the others from being sent); wait for all
+        until the deadline. Returns (value, error) per fn; one still running then has _OutOfTime."""
+        boxes: list[dict[str, Any]] = [{} for _ in fns]
+        workers = [
+            threading.Thread(target=_run_into, args=(fn, box), name="gpuctl-abort-call", daemon=True)
+            for fn, box in zip(fns, boxes, strict=True)
+        ]
+        for worker in workers:
+            worker.start()
+        try:
+            for worker in workers:
+                while worker.is_alive():
+                    self._watch(may_stop)
+                    worker.join(0.1)
+        except _OutOfTime as late:
+            for worker, box in zip(workers, boxes, strict=True):
+                if worker.is_alive():
+                    box.setdefault("error", late)
+        return [(box.get("value"), box.get("error")) for box in boxes]
 
     def nap(self, seconds: float) -> None:
         """Sleep between polls; a Ctrl-C or the deadline ends it (_Stop, _OutOfTime)."""
@@ -87,6 +96,13 @@ class BoundedCalls:
                 f"{self.kind} did not answer within the {ABORT_S:.0f} s an abort may take",
                 f"check the {self.kind} console",
             )
+
+
+def _run_into(fn: Callable[[], Any], box: dict[str, Any]) -> None:
+    try:
+        box["value"] = fn()
+    except BaseException as exc:  # noqa: BLE001  (handed to the main thread: BoundedCalls.each)
+        box["error"] = exc
 
 
 class UpAbort:
@@ -139,14 +155,16 @@ class UpAbort:
         return [i.id for i in listed if i.label in labels and i.id not in created]
 
     def _terminate_all(self, ids: list[str], calls: BoundedCalls) -> list[str]:
-        """Send a terminate for each id; returns the ids whose call failed."""
+        """Send a terminate for each id, all at once; returns the ids whose call failed."""
+        results = calls.each([functools.partial(self.backend.terminate, self.cluster, i) for i in ids])
         left = []
-        for instance_id in ids:
-            try:
-                calls(functools.partial(self.backend.terminate, self.cluster, instance_id))
-            except GpuctlError as err:
-                left.append(instance_id)
-                self.say(f"could not terminate {self.kind} instance {instance_id}: {err.one_line()}")
+        for instance_id, (_value, error) in zip(ids, results, strict=True):
+            if error is None:
+                continue
+            if not isinstance(error, GpuctlError):
+                raise error
+            left.append(instance_id)
+            self.say(f"could not terminate {self.kind} instance {instance_id}: {error.one_line()}")
         return left
 
     def _confirm_gone(self, ids: list[str], calls: BoundedCalls) -> list[str]:
