@@ -26,6 +26,7 @@ from provision.core.config import load_config
 from provision.core.errors import ProviderError
 from provision.providers import abort, cloud
 from provision.providers.base import UpOptions
+from provision.transport.ssh import connect
 from tests.fakes.base import SshTarget
 from tests.fakes.harness import node_fields, wait_until, write_config
 from tests.fakes.tcp_proxy import TcpProxy
@@ -304,6 +305,32 @@ def test_ctrl_c_during_run_before_it_follows_takes_the_cluster_down(cloud_up, ct
     assert "interrupted before the run was followed: taking cluster vast-t down" in err
     assert "cluster vast-t is down" in err and not fake.instances and fake.deleted == [7000001]
     assert not list(state_dir.glob("clusters/*.json"))
+
+
+@pytest.mark.parametrize("request_name", ["exec", "sftp"])
+def test_a_channel_request_without_answer_times_out(sshd, request_name):
+    """paramiko waits for the answer to exec_command and to the sftp subsystem with no timeout of its
+    own; SSHNode sends both through answered_within (a node that stops answering must not hold
+    `up`, `train` or `down`)."""
+    from provision.transport.ssh.node import SSHNode
+
+    release = threading.Event()
+    with TcpProxy(("127.0.0.1", sshd.port)) as proxy:
+        node = SSHNode("127.0.0.1", proxy.port, sshd.user, str(sshd.client_key), pin_new=True)
+        assert node.sh("echo hi", timeout=30).stdout == "hi\n"
+        chan = node.client().get_transport().open_session(timeout=10)
+        proxy.on_chunk = lambda _conn, direction, _data: release.wait(30) if direction == "down" else None
+        send = (
+            (lambda: chan.exec_command("true")) if request_name == "exec" else (lambda: chan.invoke_subsystem("sftp"))
+        )
+        try:
+            started = time.monotonic()
+            with pytest.raises(TimeoutError):
+                connect.answered_within(chan, send, 1.0)
+            assert time.monotonic() - started < 5
+        finally:
+            release.set()
+            node.drop_connection()
 
 
 # --- the root cause: a press swallowed by a finalizer --------------------------------------------
