@@ -376,3 +376,40 @@ def test_presses_inside_a_shield_are_counted_and_a_deferred_step_raises_after(si
             time.sleep(0.05)
             done = True  # the step finished before the press took effect
     assert done
+
+
+def press_and_spin() -> None:
+    """A Ctrl-C to this process; the handler runs within the loop (or raises out of it)."""
+    os.kill(os.getpid(), signal.SIGINT)
+    for _ in range(10_000):
+        pass
+
+
+def test_clean_up_runs_while_the_ctrl_c_is_on_its_way(sigint_recorded):
+    """A `docker logout` in a finally block still runs: check() re-raises only a swallowed press."""
+    ran = []
+    with pytest.raises(KeyboardInterrupt):
+        try:
+            press_and_spin()
+        finally:
+            interrupt.check()
+            ran.append("clean-up")
+    assert ran == ["clean-up"]
+    with pytest.raises(KeyboardInterrupt):  # and a further press cuts clean-up short, as it always did
+        try:
+            press_and_spin()
+        finally:
+            press_and_spin()
+
+
+def test_in_the_guarded_region_a_second_press_waits_for_the_abort(sigint_recorded):
+    with interrupt.guarded():
+        try:
+            press_and_spin()
+            raise AssertionError("the first press raises")
+        except KeyboardInterrupt:
+            press_and_spin()  # a double Ctrl-C: counted, not raised before the abort starts
+            with pytest.raises(KeyboardInterrupt):
+                interrupt.check()  # vendor clean-up inside yields to the abort
+            interrupt.answered()  # the abort starts
+    assert interrupt._STATE.total == 2 and not interrupt._STATE.pending

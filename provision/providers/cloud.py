@@ -206,33 +206,50 @@ class CloudBackend(ProviderBackend):
         created: list[str] = []
         attempt = secrets.token_hex(3)  # in every label: a failed create is found by it, nothing else
         labels = [f"gpuctl-{record.name}-{i}-{attempt}" for i in range(len(picks))]
-        try:
-            self.prepare(prov, record, public_key)
-            for i, offer in enumerate(picks):
-                instance_id = self.launch(prov, record, labels[i], offer, public_key)
-                created.append(instance_id)
-                record.nodes.append(
-                    NodeRecord(
-                        host=f"node{i}",
-                        address="",
-                        instance_id=instance_id,
-                        slots=offer.num_gpus,
-                        accelerator="cuda",
-                        gpu_name=offer.gpu_name,
-                    )
-                )
-                state.save_cluster(record)  # `gpuctl down` finds it even if this process dies now
-                opts.say(f"created {self.kind} instance {instance_id}; waiting for it to boot")
-            deadline = time.monotonic() + prov.ready_timeout
-            for node in record.nodes:
-                self._ready(prov, record, node, deadline, opts.say)
-            check_batch(cfg.train, record.world_size)
-            if len(record.nodes) > 1:  # DeepSpeed's pdsh launcher: node-to-node SSH
-                mesh.setup(record, self.nodes(record), say=opts.say)
-        except BaseException as exc:  # Ctrl-C included: leave nothing behind
-            self._abort(record, created, labels, opts.say, exc)
-            raise
+        with interrupt.guarded():  # a double Ctrl-C cannot get ahead of the abort
+            try:
+                self._create_and_boot(cfg, record, picks, labels, created, public_key, opts.say)
+            except BaseException as exc:  # Ctrl-C included: leave nothing behind
+                self._abort(record, created, labels, opts.say, exc)
+                raise
         return record
+
+    def _create_and_boot(
+        self,
+        cfg: GpuctlConfig,
+        record: ClusterRecord,
+        picks: list[Offer],
+        labels: list[str],
+        created: list[str],
+        public_key: str,
+        say: Callable[[str], None],
+    ) -> None:
+        """Create one instance per pick (each recorded at once, its id appended to `created`), then
+        wait until every node is ready; the node-to-node SSH of a multi-node cluster last."""
+        prov = cfg.provider
+        assert isinstance(prov, CloudProvider)
+        self.prepare(prov, record, public_key)
+        for i, offer in enumerate(picks):
+            instance_id = self.launch(prov, record, labels[i], offer, public_key)
+            created.append(instance_id)
+            record.nodes.append(
+                NodeRecord(
+                    host=f"node{i}",
+                    address="",
+                    instance_id=instance_id,
+                    slots=offer.num_gpus,
+                    accelerator="cuda",
+                    gpu_name=offer.gpu_name,
+                )
+            )
+            state.save_cluster(record)  # `gpuctl down` finds it even if this process dies now
+            say(f"created {self.kind} instance {instance_id}; waiting for it to boot")
+        deadline = time.monotonic() + prov.ready_timeout
+        for node in record.nodes:
+            self._ready(prov, record, node, deadline, say)
+        check_batch(cfg.train, record.world_size)
+        if len(record.nodes) > 1:  # DeepSpeed's pdsh launcher: node-to-node SSH
+            mesh.setup(record, self.nodes(record), say=say)
 
     def nodes(self, cluster: ClusterRecord) -> list[Node]:
         return [self.ssh_node(cluster, n) for n in cluster.nodes]
