@@ -333,6 +333,24 @@ def test_a_channel_request_without_answer_times_out(sshd, request_name):
             node.drop_connection()
 
 
+def test_a_ctrl_c_inside_a_vendor_request_is_not_retried(monkeypatch):
+    """tenacity catches every exception of an attempt; a KeyboardInterrupt must leave at once."""
+    from provision.providers.http import JsonApi, RetryPolicy
+
+    calls = []
+
+    def interrupted(self, method: str, path: str, body) -> None:
+        calls.append(path)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(JsonApi, "_once", interrupted)
+    client = JsonApi("Fake", "http://127.0.0.1:9", "k-123", "$K", RetryPolicy(attempts=6, first_wait_s=5))
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        client.request("GET", "/instances/")
+    assert calls == ["/instances/"] and time.monotonic() - started < 1
+
+
 # --- the root cause: a press swallowed by a finalizer --------------------------------------------
 
 
