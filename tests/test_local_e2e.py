@@ -6,12 +6,12 @@ Three CPU ranks under DeepSpeed ZeRO-2 with the optimizer offloaded to CPU, over
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.fakes.harness import wait_until
 from tests.helpers import Gpuctl
 
 pytestmark = pytest.mark.slow
@@ -92,10 +92,8 @@ def test_down_stops_a_running_run(project, gpuctl, state_dir):
     assert started.returncode == 0, started.stderr
     run_id = started.stdout.strip()
     record = json.loads((state_dir / "runs" / f"{run_id}.json").read_text())
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not Path(record["run_dir"], "metrics.jsonl").exists():
-        time.sleep(1)
-    assert len(group_members(record["pgid"])) >= 4  # launch.sh, launcher, 3 ranks
+    wait_until(lambda: Path(record["run_dir"], "metrics.jsonl").exists(), 300, "the first step")
+    assert len(group_members(record["pgid"])) >= 4  # launch.sh, launcher, 3 ranks (400 steps: minutes to go)
     down = gpuctl("down")
     assert down.returncode == 0, down.stderr
     assert group_members(record["pgid"]) == []

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fakes.harness import wait_until
 from tests.helpers import free_port
 from tests.s3server import LatestWatcher, MotoS3
 from trainer.objstore.backends import StorageAuthError, StorageError, StorageUnavailable, UploadError
@@ -110,7 +111,7 @@ def test_server_down_mid_upload_then_back(proxied_server, tmp_path, mode):
         if mode == "outage":
             assert store.latest().tag == "step10"  # nothing new is latest until complete
         up.wait(timeout=90)
-        time.sleep(0.5)  # let the watcher see the final state
+        wait_until(lambda: watcher.seen[-1:] == ["step20"], 30, "the watcher to see step20 as latest", every=0.05)
 
     assert watcher.violations == []
     assert watcher.seen and watcher.seen[-1] == "step20", watcher.seen

@@ -186,21 +186,30 @@ def test_sshd_restart_mid_run_ctrl_c_detach_and_reattach(fresh_sshd, tmp_path, s
     gpuctl = Gpuctl(project)
     assert gpuctl("up").returncode == 0
     train = Follower(["train"], project)
-    train.wait_line("step 1/60", timeout=400)
-    train.proc.send_signal(signal.SIGINT)  # Ctrl-C: detach, the run goes on
-    assert train.finish(timeout=60) == 130
-    assert any("detached" in line and "gpuctl logs -f" in line for line in train.err)
+    wait_until(lambda: list(state_dir.glob("runs/*.json")), 400, "the run to start", every=0.05)
     record = run_record(state_dir)
-    status_file = Path(record["run_dir"], "status.json")
-    assert json.loads(status_file.read_text())["state"] == "running"
+    wait_until(lambda: metrics(record["run_dir"]), 400, "the first step", every=0.05)
+    # A step takes a fraction of a second: freeze the run (SIGSTOP its process group) so that it is
+    # provably still going while we detach and restart sshd, instead of racing it.
+    os.killpg(record["pgid"], signal.SIGSTOP)
+    try:
+        assert len(metrics(record["run_dir"])) < 60
+        train.wait_line("step 1/60", timeout=120)
+        train.proc.send_signal(signal.SIGINT)  # Ctrl-C: detach, the run goes on
+        assert train.finish(timeout=60) == 130
+        assert any("detached" in line and "gpuctl logs -f" in line for line in train.err)
+        status_file = Path(record["run_dir"], "status.json")
+        assert json.loads(status_file.read_text())["state"] == "running"
 
-    logs = Follower(["logs", "-f"], project)
-    logs.wait_line("step ", timeout=120)
-    done_before = len(metrics(record["run_dir"]))
-    server.stop()  # every connection drops, the listener is gone
-    time.sleep(6)
-    assert json.loads(status_file.read_text())["state"] == "running"
-    assert logs.proc.poll() is None  # still trying to reconnect
+        logs = Follower(["logs", "-f"], project)
+        logs.wait_line("step ", timeout=120)
+        done_before = len(metrics(record["run_dir"]))
+        server.stop()  # every connection drops, the listener is gone
+        time.sleep(6)  # the frozen run cannot end: `logs -f` has nothing to exit for but a bug
+        assert json.loads(status_file.read_text())["state"] == "running"
+        assert logs.proc.poll() is None  # still trying to reconnect
+    finally:
+        os.killpg(record["pgid"], signal.SIGCONT)
     server.start()
     assert logs.finish(timeout=400) == 0, "\n".join(logs.out[-20:] + logs.err[-20:])
     assert len(metrics(record["run_dir"])) == 60 > done_before

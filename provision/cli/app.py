@@ -28,9 +28,12 @@ boundary.guard_all(app)
 
 
 def main() -> None:
+    from provision.core import interrupt
+
+    interrupt.install()  # a Ctrl-C is recorded too, so one that a finalizer swallowed still stops gpuctl
     try:
         app()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # typer turns one into exit 130 itself; this is for what escapes it
         typer.echo("interrupted", err=True)
         sys.exit(130)
 

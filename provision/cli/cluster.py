@@ -122,6 +122,7 @@ def forget_host(host: Annotated[str, typer.Argument(help="host, host:port or use
 def run_all(config: ConfigOpt = None, yes: YesOpt = False) -> None:
     """up + train + down in one: the cluster goes away whatever the run's result."""
     from provision.cli.jobs import follow_to_end
+    from provision.core import interrupt
     from provision.flows import cluster, job
     from provision.providers.base import UpOptions
 
@@ -132,6 +133,10 @@ def run_all(config: ConfigOpt = None, yes: YesOpt = False) -> None:
     try:
         run = job.start_run(cfg, record, say=say)
         code = follow_to_end(run)
+    except KeyboardInterrupt:  # before the run was followed: the `down` below answers it
+        interrupt.answered()  # (a further Ctrl-C stops that `down`; the cluster stays recorded)
+        say(f"interrupted before the run was followed: taking cluster {cfg.cluster_name} down")
+        raise
     finally:
         if code != 130:  # detached by Ctrl-C: the run goes on, so does its cluster
             cluster.down(cfg.cluster_name, say)

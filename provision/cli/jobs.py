@@ -19,11 +19,13 @@ app = typer.Typer()
 
 def follow_to_end(run: RunRecord) -> int:
     """Stream the run's log until it ends; its exit code, or 130 when Ctrl-C detached."""
+    from provision.core import interrupt
     from provision.flows import job
 
     try:
         status = job.follow(run, typer.echo)
     except KeyboardInterrupt:
+        interrupt.answered()  # the detach answers it
         say(f"\ndetached; run {run.run_id} goes on. `gpuctl logs -f` reattaches, `gpuctl cancel` stops it")
         return 130
     say(f"run {run.run_id} {status.state}")

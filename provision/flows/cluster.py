@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from provision.core import state
+from provision.core import interrupt, state
 from provision.core.config import GpuctlConfig, check_batch
 from provision.core.errors import GpuctlError, RemoteError
 from provision.flows import job
@@ -29,7 +29,9 @@ def _up(cfg: GpuctlConfig, opts: UpOptions) -> state.ClusterRecord | None:
     check_batch(cfg.train, planned(cfg).world_size)  # before anything is created
     provider = backend(cfg.provider.kind)
     record = provider.up(cfg, opts)
-    if record is not None:
+    if record is None:
+        return None
+    try:
         check_batch(cfg.train, record.world_size)
         state.save_cluster(record)
         if record.budget_hours:
@@ -44,6 +46,11 @@ def _up(cfg: GpuctlConfig, opts: UpOptions) -> state.ClusterRecord | None:
         sshconfig.refresh()
         if sshconfig.ssh_reachable(record):
             opts.say(sshconfig.include_hint(record))
+        interrupt.check()  # a Ctrl-C that a finalizer swallowed on the way still undoes `up`
+    except KeyboardInterrupt:  # until `up` returns, a Ctrl-C leaves nothing rented behind
+        if not provider.undo_up(record, opts.say):
+            opts.say(f"interrupted: cluster {record.name} stays up; `gpuctl down` disconnects it")
+        raise
     return record
 
 
@@ -83,6 +90,16 @@ def _down(name: str, say: Callable[[str], None], grace_s: float) -> bool:
     if cluster is None:
         say(f"cluster {name} is not up; nothing to do")
         return False
+    try:
+        _down(cluster, say)
+    except KeyboardInterrupt:
+        say(f"interrupted: cluster {name} stays recorded; run `gpuctl down` again to finish removing it")
+        raise
+    return True
+
+
+def _down(cluster: state.ClusterRecord, say: Callable[[str], None]) -> None:
+    name = cluster.name
     provider = backend(cluster.provider)
     for run in active_runs(name):
         say(f"stopping run {run.run_id}")
@@ -113,7 +130,6 @@ def _down(name: str, say: Callable[[str], None], grace_s: float) -> bool:
 
     sshconfig.refresh()
     say(f"cluster {name} is down")
-    return True
 
 
 def planned(cfg: GpuctlConfig) -> state.ClusterRecord:

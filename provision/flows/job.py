@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from provision.core import state
+from provision.core import interrupt, state
 from provision.core.config import GpuctlConfig, check_batch
 from provision.core.credentials import StorageCredentials, storage_credentials, user_secrets
 from provision.core.errors import ConfigError, GpuctlError, NotFoundError, RemoteError
@@ -117,26 +117,27 @@ def start_run(
             ship_cluster(cfg, cluster, say, nodes)
         for node, rec in zip(nodes, cluster.nodes, strict=True):
             node.put_dir(bundle, run_dir_of(rec.workdir, run_id))
-        pgid = nodes[0].start_detached(spec.run_dir, "launch.sh", "job.log")
+        with interrupt.deferred():  # once launch.sh runs, the run is recorded before a Ctrl-C lands
+            pgid = nodes[0].start_detached(spec.run_dir, "launch.sh", "job.log")
+            record = state.RunRecord(
+                run_id=run_id,
+                cluster=cluster.name,
+                run_dir=spec.run_dir,
+                bundle_dir=str(bundle),
+                world_size=cluster.world_size,
+                train_batch_size=batch,
+                micro_batch=cfg.train.micro_batch,
+                grad_accum=cfg.train.grad_accum,
+                max_steps=cfg.train.max_steps,
+                accelerator=cluster.nodes[0].accelerator,
+                state="running",
+                pgid=pgid,
+            )
+            state.save_run(record)
     finally:
         (bundle / "secrets.env").unlink(missing_ok=True)  # shipped; no credential stays in the state dir
         for node in nodes:
             node.close()
-    record = state.RunRecord(
-        run_id=run_id,
-        cluster=cluster.name,
-        run_dir=spec.run_dir,
-        bundle_dir=str(bundle),
-        world_size=cluster.world_size,
-        train_batch_size=batch,
-        micro_batch=cfg.train.micro_batch,
-        grad_accum=cfg.train.grad_accum,
-        max_steps=cfg.train.max_steps,
-        accelerator=cluster.nodes[0].accelerator,
-        state="running",
-        pgid=pgid,
-    )
-    state.save_run(record)
     say(f"run {run_id} started on {cluster.name}: {cluster.world_size} ranks, batch {batch}")
     return record
 
@@ -267,6 +268,7 @@ def follow(
     node = None
     last_ok = time.monotonic()
     while True:
+        interrupt.check()  # a Ctrl-C that a finalizer swallowed (core/interrupt.py) still detaches
         try:
             node = node or node_of(run)
             status = read_status(run, node)  # first: once it is terminal, the log read next is complete
@@ -303,6 +305,7 @@ def cancel(run: state.RunRecord, *, grace_s: float = 20) -> bool:
         node.signal_group(run.pgid, "TERM")
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and node.group_alive(run.pgid):
+            interrupt.check()
             time.sleep(0.5)
         if node.group_alive(run.pgid):
             node.signal_group(run.pgid, "KILL")

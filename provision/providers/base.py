@@ -99,6 +99,11 @@ class ProviderBackend(ABC):
         the budget guard (flows/guard.py), ending the node `minutes` from now; None: none."""
         return None
 
+    def undo_up(self, cluster: ClusterRecord, say: Callable[[str], None]) -> bool:
+        """`up` was interrupted after this backend returned: remove what it made. False when the
+        cluster is kept instead (local, ssh: nothing of it is rented)."""
+        return False
+
 
 def resolve_runtime(
     requested: str, provider_kind: str, *, image: str | None = None, has_docker: Callable[[], bool] | None = None

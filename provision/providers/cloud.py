@@ -4,7 +4,9 @@ A provider module subclasses CloudBackend and supplies the vendor calls (find_of
 describe, terminate, list_instances, self_teardown). This module owns the rules around them:
 - `up` shows the pick, its $/h and the budget cap, asks (UpOptions.confirm), then creates;
   every created instance is recorded in state at once, and a failure or Ctrl-C before the
-  cluster is ready terminates what this attempt created (nothing else);
+  cluster is ready terminates what this attempt created (nothing else), within a bound: a
+  second Ctrl-C cannot cut the terminate calls short, only the wait for the vendor to confirm,
+  and what is not confirmed gone stays recorded for `gpuctl down`;
 - ready means SSH answers with a banner and a command runs, not the vendor saying "running";
 - `down` terminates, then polls the vendor's own list until the instances are gone.
 gpuctl logs in with the cluster's own ed25519 key (provision/mesh.py's keypair, under the
@@ -15,16 +17,15 @@ from __future__ import annotations
 
 import secrets
 import shutil
-import signal
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from provision.core import state
+from provision.core import interrupt, state
 from provision.core.config import CloudProvider, GpuctlConfig, check_batch
 from provision.core.errors import GpuctlError, NoOfferError, ProviderError
 from provision.core.state import ClusterRecord, NodeRecord
+from provision.providers.abort import UpAbort
 from provision.providers.base import (
     IMAGE_PYTHON,
     Offer,
@@ -201,36 +202,58 @@ class CloudBackend(ProviderBackend):
             budget_hours=cap,
             region=getattr(prov, "region", None),
         )
+        # Import the SSH stack before anything is rented: on a loaded machine paramiko takes
+        # seconds to import, and a Ctrl-C during an import can be swallowed (importlib's
+        # module-lock callback) or leave half-made modules that the abort could not import.
+        from provision.transport.ssh.node import SSHNode  # noqa: F401  (it imports paramiko and connect)
+
         created: list[str] = []
         attempt = secrets.token_hex(3)  # in every label: a failed create is found by it, nothing else
         labels = [f"gpuctl-{record.name}-{i}-{attempt}" for i in range(len(picks))]
-        try:
-            self.prepare(prov, record, public_key)
-            for i, offer in enumerate(picks):
-                instance_id = self.launch(prov, record, labels[i], offer, public_key)
-                created.append(instance_id)
-                record.nodes.append(
-                    NodeRecord(
-                        host=f"node{i}",
-                        address="",
-                        instance_id=instance_id,
-                        slots=offer.num_gpus,
-                        accelerator="cuda",
-                        gpu_name=offer.gpu_name,
-                    )
-                )
-                state.save_cluster(record)  # `gpuctl down` finds it even if this process dies now
-                opts.say(f"created {self.kind} instance {instance_id}; waiting for it to boot")
-            deadline = time.monotonic() + prov.ready_timeout
-            for node in record.nodes:
-                self._ready(prov, record, node, deadline, opts.say)
-            check_batch(cfg.train, record.world_size)
-            if len(record.nodes) > 1:  # DeepSpeed's pdsh launcher: node-to-node SSH
-                mesh.setup(record, self.nodes(record), say=opts.say)
-        except BaseException as exc:  # Ctrl-C included: leave nothing behind
-            self._abort(record, created, labels, opts.say, exc)
-            raise
+        with interrupt.guarded():  # a double Ctrl-C cannot get ahead of the abort
+            try:
+                self._create_and_boot(cfg, record, picks, labels, created, public_key, opts.say)
+            except BaseException as exc:  # Ctrl-C included: leave nothing behind
+                self._abort(record, created, labels, opts.say, exc)
+                raise
         return record
+
+    def _create_and_boot(
+        self,
+        cfg: GpuctlConfig,
+        record: ClusterRecord,
+        picks: list[Offer],
+        labels: list[str],
+        created: list[str],
+        public_key: str,
+        say: Callable[[str], None],
+    ) -> None:
+        """Create one instance per pick (each recorded at once, its id appended to `created`), then
+        wait until every node is ready; the node-to-node SSH of a multi-node cluster last."""
+        prov = cfg.provider
+        assert isinstance(prov, CloudProvider)
+        self.prepare(prov, record, public_key)
+        for i, offer in enumerate(picks):
+            instance_id = self.launch(prov, record, labels[i], offer, public_key)
+            created.append(instance_id)
+            record.nodes.append(
+                NodeRecord(
+                    host=f"node{i}",
+                    address="",
+                    instance_id=instance_id,
+                    slots=offer.num_gpus,
+                    accelerator="cuda",
+                    gpu_name=offer.gpu_name,
+                )
+            )
+            state.save_cluster(record)  # `gpuctl down` finds it even if this process dies now
+            say(f"created {self.kind} instance {instance_id}; waiting for it to boot")
+        deadline = time.monotonic() + prov.ready_timeout
+        for node in record.nodes:
+            self._ready(prov, record, node, deadline, say)
+        check_batch(cfg.train, record.world_size)
+        if len(record.nodes) > 1:  # DeepSpeed's pdsh launcher: node-to-node SSH
+            mesh.setup(record, self.nodes(record), say=say)
 
     def nodes(self, cluster: ClusterRecord) -> list[Node]:
         return [self.ssh_node(cluster, n) for n in cluster.nodes]
@@ -241,7 +264,7 @@ class CloudBackend(ProviderBackend):
             self.terminate(cluster, instance_id)
         self.wait_gone(cluster, ids)
         self.release(cluster, say)
-        self._forget(cluster)
+        self.forget_local(cluster)
         say(f"terminated {len(ids)} {self.kind} instance(s); {self.kind} no longer lists them")
 
     # helpers -------------------------------------------------------------------------------------
@@ -253,6 +276,7 @@ class CloudBackend(ProviderBackend):
     def wait_gone(self, cluster: ClusterRecord, ids: list[str], timeout_s: float = GONE_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
+            interrupt.check()
             left = sorted({i.id for i in self.list_instances(cluster)} & set(ids))
             if not left:
                 return
@@ -272,6 +296,7 @@ class CloudBackend(ProviderBackend):
         assert node.instance_id is not None  # up() records every node with its instance id
         seen = None
         while True:
+            interrupt.check()  # a Ctrl-C that a finalizer swallowed (see core/interrupt.py)
             inst = self.describe(cluster, node.instance_id)
             if inst is None or inst.failed:
                 what = "vanished" if inst is None else f"ended in state {inst.state!r}"
@@ -296,6 +321,7 @@ class CloudBackend(ProviderBackend):
         ssh = self.ssh_node(cluster, node, pin_new=True)
         try:
             while True:  # sshd answers before the key is installed on some images: retry auth
+                interrupt.check()
                 try:
                     home = ssh.home()
                     break
@@ -333,6 +359,13 @@ class CloudBackend(ProviderBackend):
                 "pick another offer; set provider.cpu_ranks_fallback only for CPU test stand-ins",
             )
 
+    def undo_up(self, cluster: ClusterRecord, say: Callable[[str], None]) -> bool:
+        """`up` was interrupted after this backend returned (record saved, image shipping):
+        terminate its instances the way an interrupted create does."""
+        ids = [n.instance_id for n in cluster.nodes if n.instance_id]
+        self._abort(cluster, ids, [], say, KeyboardInterrupt())
+        return True
+
     def _abort(
         self,
         cluster: ClusterRecord,
@@ -341,54 +374,12 @@ class CloudBackend(ProviderBackend):
         say: Callable[[str], None],
         exc: BaseException,
     ) -> None:
-        """Terminate what this attempt created, including an instance whose create call failed
-        after the vendor acted (found by this attempt's labels). A second Ctrl-C cannot cut this short."""
+        """Terminate what this attempt created (providers/abort.py: bounded, a second Ctrl-C
+        answered, what is not confirmed gone kept recorded for `gpuctl down`)."""
         why = "interrupted" if isinstance(exc, KeyboardInterrupt) else "up failed"
-        restore = None
-        if threading.current_thread() is threading.main_thread():
-            restore = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            created = created + self._stray(cluster, labels, created, say)
-            if created:
-                say(f"{why}: terminating the {len(created)} instance(s) this attempt created")
-            left = []
-            for instance_id in created:
-                try:
-                    self.terminate(cluster, instance_id)
-                except GpuctlError as err:
-                    left.append(instance_id)
-                    say(f"could not terminate {self.kind} instance {instance_id}: {err.one_line()}")
-            if not left:
-                try:
-                    if created:
-                        self.wait_gone(cluster, created, timeout_s=120)
-                    self.release(cluster, say)
-                except GpuctlError as err:
-                    left = created
-                    say(err.one_line())
-            if left:
-                say(f"cluster {cluster.name} stays recorded: run `gpuctl down` to finish removing it")
-            else:
-                state.delete_cluster(cluster.name)
-                self._forget(cluster)
-        finally:
-            if restore is not None:
-                signal.signal(signal.SIGINT, restore)
+        UpAbort(self, cluster, say).run(created, labels, why)
 
-    def _stray(
-        self, cluster: ClusterRecord, labels: list[str], created: list[str], say: Callable[[str], None]
-    ) -> list[str]:
-        """Instances that carry this attempt's labels but were never recorded (a lost create answer)."""
-        try:
-            return [i.id for i in self.list_instances(cluster) if i.label in labels and i.id not in created]
-        except GpuctlError as err:
-            say(
-                f"warning: could not check {self.kind} for a half-created instance ({err.one_line()}); "
-                f"look for labels gpuctl-{cluster.name}-* in the {self.kind} console"
-            )
-            return []
-
-    def _forget(self, cluster: ClusterRecord) -> None:
+    def forget_local(self, cluster: ClusterRecord) -> None:
         """Cloud addresses are reused: drop the nodes' pinned host keys and the cluster key."""
         from provision.transport.ssh.node import forget_host
 

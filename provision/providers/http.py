@@ -29,6 +29,7 @@ from tenacity import (
     wait_random,
 )
 
+from provision.core import interrupt
 from provision.core.errors import AuthError, ConfigError, ProviderError
 
 USER_AGENT = "gpuctl/0.1"
@@ -120,6 +121,7 @@ class JsonApi:
         )
         try:
             for attempt in retrying:
+                interrupt.check()  # a Ctrl-C swallowed since the last call stops here, before the vendor acts
                 with attempt:
                     return self._once(method, path, body)
         except _Transient as exc:

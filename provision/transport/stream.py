@@ -85,11 +85,13 @@ def _local(argv: list[str], chunks: Iterable[bytes], on_bytes: ByteSink | None) 
 def _ssh(node: SSHNode, argv: list[str], chunks: Iterable[bytes], on_bytes: ByteSink | None) -> CommandResult:
     import paramiko
 
+    from provision.transport.ssh.connect import answered_within
+
     command = shlex.join(str(a) for a in argv)
-    lost = (paramiko.SSHException, OSError, EOFError)
+    lost = (paramiko.SSHException, OSError, EOFError)  # a node that never answers the exec: TimeoutError
     try:
         chan = node.client().get_transport().open_session(timeout=node.connect_timeout)
-        chan.exec_command(command)
+        answered_within(chan, lambda: chan.exec_command(command), node.connect_timeout + 30)
     except lost as exc:
         node.drop_connection()
         raise RemoteError(

@@ -9,7 +9,9 @@ when the instance is deleted), so a deleted instance really stops letting gpuctl
 from __future__ import annotations
 
 import json
+import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -62,6 +64,9 @@ class FakeApi:
     fail_next: list[int] = field(default_factory=list)  # answer the next requests with these statuses
     raw_paths: list[str] = field(default_factory=list)  # as sent, query string included
     calls: list[Call] = field(default_factory=list)  # every authorized request, body parsed
+    # Called in the serving thread as each request arrives, before it is answered, with its method
+    # and path: it may signal the client (a Ctrl-C at that request) or block (a slow vendor).
+    on_request: Callable[[str, str], None] | None = None
 
     def __post_init__(self):
         self.lock = threading.RLock()
@@ -80,7 +85,12 @@ class FakeApi:
             def log_message(self, *args):  # quiet
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            def handle_error(self, request, client_address):  # quiet when the client went away
+                if not isinstance(sys.exc_info()[1], ConnectionError):  # (a Ctrl-C test held its request)
+                    super().handle_error(request, client_address)
+
+        self.server = Server(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         return self
@@ -109,6 +119,9 @@ class FakeApi:
         with self.lock:
             self.requests.append((req.command, split.path))
             self.raw_paths.append(req.path)
+        if self.on_request is not None:
+            self.on_request(req.command, split.path)
+        with self.lock:
             if self.fail_next:
                 status = self.fail_next.pop(0)
                 return self._reply(

@@ -5,6 +5,10 @@
     (hostkeys.PinPolicy). Every failure is a ConnectError with one line and the next thing
     to try; its ``transient`` says whether retrying can help (refused, timeout, no banner yet).
 
+``answered_within(chan, request, seconds)``
+    Send a channel request whose answer paramiko waits for without a timeout (exec_command,
+    invoke_subsystem); the channel is closed after ``seconds``, which ends the wait (TimeoutError).
+
 ``wait_for_ssh(address, port, deadline, *, say=None, probe_timeout=5.0) -> str``
     Poll until an SSH server answers on address:port with its banner (``SSH-2.0-...``, not
     merely an open TCP port: a cloud node's port forwarder accepts long before sshd runs).
@@ -17,12 +21,14 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import paramiko
 
+from provision.core import interrupt
 from provision.core.errors import RemoteError
 from provision.transport.ssh.hostkeys import KnownHostsMismatch, PinPolicy, UnknownHostKey, known_hosts_path
 
@@ -162,6 +168,7 @@ def wait_for_ssh(
     """Wait until address:port answers with an SSH banner; see the module docstring."""
     delay, last = 0.5, "not tried"
     while time.monotonic() < deadline:
+        interrupt.check()
         budget = max(0.1, min(probe_timeout, deadline - time.monotonic()))
         try:
             with socket.create_connection((address, port), timeout=budget) as sock:
@@ -197,3 +204,29 @@ def _read_banner(sock: socket.socket) -> str:
         if line.startswith("SSH-"):
             return line.strip()
     return data.decode("latin-1").strip()
+
+
+def answered_within(chan: paramiko.Channel, request: Callable[[], object], seconds: float) -> None:
+    """Send a channel request that waits for the server's answer with no timeout of its own
+    (paramiko's exec_command, invoke_subsystem). A node that stalls there would hold gpuctl
+    for good, so the channel is closed after `seconds`, which ends the wait: TimeoutError."""
+    stalled = threading.Event()
+
+    def give_up() -> None:
+        stalled.set()
+        try:
+            chan.close()
+        except (paramiko.SSHException, OSError, EOFError):
+            pass  # the connection is gone too: paramiko wakes the wait itself then
+
+    timer = threading.Timer(seconds, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        request()
+    except paramiko.SSHException:
+        if stalled.is_set():
+            raise TimeoutError from None
+        raise
+    finally:
+        timer.cancel()

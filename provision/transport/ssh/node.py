@@ -35,11 +35,11 @@ from typing import Any, TypeVar
 
 import paramiko
 
-from provision.core import state
+from provision.core import interrupt, state
 from provision.core.errors import ConfigError, RemoteError
 from provision.transport.ignore import walk_shipped
 from provision.transport.remote import CommandResult, LineSink, Node
-from provision.transport.ssh.connect import DEFAULT_CONNECT_TIMEOUT, endpoint, open_client
+from provision.transport.ssh.connect import DEFAULT_CONNECT_TIMEOUT, answered_within, endpoint, open_client
 from provision.transport.ssh.hostkeys import known_hosts_path, unpin
 
 IO_TIMEOUT = 30.0  # an SFTP reply slower than this means a hung connection (half-open TCP)
@@ -190,15 +190,18 @@ class SSHNode(Node):
         self, chan: paramiko.Channel, command: str, timeout: float | None, stream: LineSink | None, stdin: bytes | None
     ) -> CommandResult:
         deadline = time.monotonic() + timeout if timeout else None
+        wait_s = timeout or self.connect_timeout + 30  # for one answer of the node (without a deadline too)
         out, err = bytearray(), bytearray()
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         pending = ""
         try:
-            chan.exec_command(command)
+            answered_within(chan, lambda: chan.exec_command(command), wait_s)
+            chan.settimeout(wait_s)  # sendall below: a node that takes no input
             if stdin:
                 chan.sendall(stdin)
             chan.shutdown_write()
             while True:
+                interrupt.check()  # a Ctrl-C that a finalizer swallowed (core/interrupt.py)
                 select.select([chan], [], [], 0.5)
                 while chan.recv_ready():
                     data = chan.recv(65536)
@@ -216,13 +219,13 @@ class SSHNode(Node):
                     raise EOFError("connection closed")
                 if deadline and time.monotonic() > deadline:
                     raise TimeoutError
-            left = max(0.1, deadline - time.monotonic()) if deadline else self.connect_timeout + 30
+            left = max(0.1, deadline - time.monotonic()) if deadline else wait_s
             if not chan.status_event.wait(left):
                 raise TimeoutError
         except TimeoutError:
             # the command, or the connection under it, hangs: the next call starts a fresh one
             self.drop_connection()
-            raise RemoteError(f"{self.label}: {command[:120]} timed out after {timeout}s") from None
+            raise RemoteError(f"{self.label}: {command[:120]} timed out after {wait_s:g}s") from None
         except (paramiko.SSHException, OSError, EOFError) as exc:
             raise self._lost(exc) from None
         if stream:
@@ -236,8 +239,11 @@ class SSHNode(Node):
         """An SFTP session kept with the pooled connection (reads skip the login shell)."""
         client = self.client()
         sftp = getattr(client, "_gpuctl_sftp", None)
-        if sftp is None or sftp.sock.closed:
-            sftp = client.open_sftp()
+        if sftp is None or sftp.sock.closed:  # client.open_sftp(), with timeouts on every wait
+            chan = client.get_transport().open_session(timeout=self.connect_timeout)
+            chan.settimeout(self.io_timeout)
+            answered_within(chan, lambda: chan.invoke_subsystem("sftp"), self.io_timeout)
+            sftp = paramiko.SFTPClient(chan)
             client._gpuctl_sftp = sftp
         sftp.get_channel().settimeout(self.io_timeout)
         return sftp
