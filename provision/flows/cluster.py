@@ -91,14 +91,14 @@ def _down(name: str, say: Callable[[str], None], grace_s: float) -> bool:
         say(f"cluster {name} is not up; nothing to do")
         return False
     try:
-        _down(cluster, say)
+        _down_cluster(cluster, say, grace_s)
     except KeyboardInterrupt:
         say(f"interrupted: cluster {name} stays recorded; run `gpuctl down` again to finish removing it")
         raise
     return True
 
 
-def _down(cluster: state.ClusterRecord, say: Callable[[str], None]) -> None:
+def _down_cluster(cluster: state.ClusterRecord, say: Callable[[str], None], grace_s: float) -> None:
     name = cluster.name
     provider = backend(cluster.provider)
     for run in active_runs(name):
