@@ -85,9 +85,9 @@ def cloud_up(sshd, project, tmp_path, monkeypatch):
         with FakeVast(ssh=target) as fake:
             real_view = fake._view
 
-            def booted(inst: dict) -> dict:
+            def booted(inst: dict, count: bool = True) -> dict:
                 inst["_reads"] = max(inst["_reads"], fake.boot_polls)
-                return real_view(inst)
+                return real_view(inst, count)
 
             monkeypatch.setattr(fake, "_view", booted)
             monkeypatch.setenv("VAST_API_KEY", fake.key)
@@ -214,7 +214,7 @@ def test_an_abort_that_outlasts_its_bound_says_what_is_left(
     write_config(project, {"kind": "vast", "api_url": fake.url, **node_fields(tmp_path), "nodes": 2}, name="vast-t")
     monkeypatch.setattr(abort, "ABORT_S", 2.0)
     real_view, hung = fake._view, threading.Event()
-    monkeypatch.setattr(fake, "_view", lambda inst: {**real_view(inst), "actual_status": "exited"})
+    monkeypatch.setattr(fake, "_view", lambda inst, count=True: {**real_view(inst, count), "actual_status": "exited"})
     fake.on_request = lambda method, path: hung.wait(30) if method == "DELETE" and "7000001" in path else None
     said: list[str] = []
     started = time.monotonic()
