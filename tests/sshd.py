@@ -99,6 +99,11 @@ class SSHD:
                     "MaxSessions 100",
                     f"Subsystem sftp {sftp if os.path.exists(sftp) else 'internal-sftp'}",
                     "LogLevel VERBOSE",
+                    # Debian's bash sources ~/.bashrc for a command sent over ssh when SHLVL
+                    # is below 2: the login user's own rc (pyenv, conda init...) would run in
+                    # every test session, and a stale `pyenv rehash` lock there stalls each
+                    # one for 60 s. The tests' sessions start from the server's environment only.
+                    "SetEnv SHLVL=1",
                     "",
                 ]
             )
