@@ -60,7 +60,7 @@ def children_of(pid: int) -> list[int]:
 
 
 class SSHD:
-    def __init__(self, root: Path, port: int | None = None):
+    def __init__(self, root: Path, port: int | None = None, session_env: dict[str, str] | None = None):
         if not os.path.exists(SSHD_BIN):
             pytest.skip("sshd not installed (apt-get install openssh-server)")
         self.root = root
@@ -73,6 +73,8 @@ class SSHD:
         self.config = root / "sshd_config"
         self.log = root / "sshd.log"
         self.proc: subprocess.Popen | None = None
+        # sshd takes only the first SetEnv line: every variable a session gets goes in that one
+        self.session_env = {"SHLVL": "1", **(session_env or {})}
         keygen(self.host_key, "host")
         self._write_config()
 
@@ -102,8 +104,9 @@ class SSHD:
                     # Debian's bash sources ~/.bashrc for a command sent over ssh when SHLVL
                     # is below 2: the login user's own rc (pyenv, conda init...) would run in
                     # every test session, and a stale `pyenv rehash` lock there stalls each
-                    # one for 60 s. The tests' sessions start from the server's environment only.
-                    "SetEnv SHLVL=1",
+                    # one for 60 s. The tests' sessions start from the server's environment only
+                    # (SHLVL=1 in session_env).
+                    "SetEnv " + " ".join(f"{k}={v}" for k, v in self.session_env.items()),
                     "",
                 ]
             )

@@ -76,8 +76,7 @@ def write_context(folder: Path, marker: str = "1") -> Path:
 @pytest.fixture(scope="module")
 def node_sshd(tmp_path_factory, node_docker) -> SSHD:
     """The loopback sshd whose sessions talk to the "node" engine."""
-    server = SSHD(tmp_path_factory.mktemp("dsshd"))
-    server.config.write_text(server.config.read_text() + f"SetEnv DOCKER_HOST={node_docker.host}\n")
+    server = SSHD(tmp_path_factory.mktemp("dsshd"), session_env={"DOCKER_HOST": node_docker.host})
     yield server.start()
     server.stop()
 

@@ -182,8 +182,7 @@ def test_runpod_boots_the_image_whose_entrypoint_starts_sshd_with_public_key(
 @pytest.fixture
 def docker_host_sshd(tmp_path_factory, trainer_image):
     """A loopback sshd whose sessions use the image engine as their docker."""
-    server = SSHD(tmp_path_factory.mktemp("img-sshd"))
-    server.config.write_text(server.config.read_text() + f"SetEnv DOCKER_HOST={trainer_image.engine.host}\n")
+    server = SSHD(tmp_path_factory.mktemp("img-sshd"), session_env={"DOCKER_HOST": trainer_image.engine.host})
     yield server.start()
     server.stop()
 
