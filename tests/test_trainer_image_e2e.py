@@ -86,11 +86,10 @@ class BootingRunPod(FakeRunPod):
         self.booter.boot(pod["id"], *env, *port, arg["imageName"])
         return pod
 
-    def _run(self, text: str, variables: dict) -> dict:
-        data = super()._run(text, variables)
-        if "podTerminate" in text:
-            self.booter.remove((variables.get("input") or {}).get("podId"))
-        return data
+    def podTerminate(self, info, input):
+        answer = super().podTerminate(info, input)
+        self.booter.remove(input["podId"])
+        return answer
 
 
 @pytest.fixture
