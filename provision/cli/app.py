@@ -10,7 +10,7 @@ import sys
 
 import typer
 
-from provision.cli import boundary, ckpt, cluster, image, jobs, plan, report
+from provision.cli import boundary, ckpt, cluster, doctor, image, jobs, plan, report
 
 app = typer.Typer(
     help="Rent a few GPUs, train with DeepSpeed, sync checkpoints, tear down.",
@@ -22,6 +22,7 @@ app.add_typer(cluster.app)
 app.add_typer(jobs.app)
 app.add_typer(plan.app)
 app.add_typer(report.app)
+app.add_typer(doctor.app)
 app.add_typer(image.app, name="image")
 app.add_typer(ckpt.app, name="ckpt")
 boundary.guard_all(app)

@@ -33,12 +33,21 @@ def up(
     config: ConfigOpt = None,
     yes: YesOpt = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="show what would be created")] = False,
+    skip_doctor: Annotated[bool, typer.Option("--skip-doctor", help="do not run the quick node checks")] = False,
 ) -> None:
-    """Create (cloud) or connect (local, ssh) the cluster and record it."""
+    """Create (cloud) or connect (local, ssh) the cluster, record it and run the quick node checks."""
+    from provision.core.checks import ChecksFailed
     from provision.flows import cluster
     from provision.providers.base import UpOptions
 
-    cluster.up(load(config), UpOptions(dry_run=dry_run, assume_yes=yes, confirm=confirmer(yes), say=say))
+    opts = UpOptions(dry_run=dry_run, assume_yes=yes, confirm=confirmer(yes), say=say, doctor=not skip_doctor)
+    try:
+        cluster.up(load(config), opts)
+    except ChecksFailed as exc:
+        from provision.cli.doctor_view import print_checks
+
+        print_checks(exc.result, only_failing=True)
+        raise
 
 
 @app.command()
@@ -56,9 +65,10 @@ def offers(
     provider = backend(cfg.provider.kind)
     if provider.offers is None or not isinstance(cfg.provider, CloudProvider):
         raise ConfigError(f"provider {cfg.provider.kind} rents nothing", "offers are for vast, runpod and aws")
-    from provision.estimate.sizing import sized_provider
+    from provision.estimate.sizing import sized_provider, sizing_note
 
     prov = sized_provider(cfg)  # min_ram_gb / disk_gb from plan's node figures unless set
+    say(sizing_note(cfg, prov))  # why an offer with less is not listed
     rows = provider.offers.find_offers(prov)[:limit]
     if as_json:
         typer.echo(json.dumps([asdict(o) for o in rows], indent=2))

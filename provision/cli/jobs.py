@@ -47,6 +47,7 @@ def train(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="render and print, start nothing")] = False,
     resume: Annotated[bool, typer.Option("--resume", help="continue from the store's latest checkpoint")] = False,
     resume_from: Annotated[Optional[str], typer.Option(help="continue from this checkpoint TAG")] = None,
+    force: Annotated[bool, typer.Option("--force", help="train even on a node whose checks failed")] = False,
 ) -> None:
     """Run training on the cluster; follow the logs and exit with the run's exit code."""
     from provision.core import state
@@ -59,7 +60,12 @@ def train(
         _print_dry_run(cfg, resume_tag)
         return
     check_batch(cfg.train, _planned_or_recorded(cfg).world_size)  # a config error comes first
-    run = job.start_run(cfg, state.load_cluster(cfg.cluster_name), resume=resume_tag, say=say)
+    cluster = state.load_cluster(cfg.cluster_name)
+    if not force:  # `up`'s quick checks (or the last `gpuctl doctor`) found a node that cannot run it
+        from provision.flows.doctor import refuse_failed
+
+        refuse_failed(cluster)
+    run = job.start_run(cfg, cluster, resume=resume_tag, say=say)
     if detach:
         typer.echo(run.run_id)
         return

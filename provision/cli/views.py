@@ -47,6 +47,9 @@ def print_status(info: dict[str, Any]) -> None:
             console.print(
                 f"cost so far: ${cluster['price_per_hour'] * hours:.2f} at ${cluster['price_per_hour']:.3f}/h"
             )
+        from provision.cli.doctor_view import print_summary
+
+        print_summary(cluster.get("doctor"))
     else:
         console.print("no cluster is up (gpuctl up)")
     run = info.get("run")

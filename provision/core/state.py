@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, Field, ValidationError
 
+from provision.core.checks import DoctorResult
 from provision.core.errors import ClusterBusy, ConfigError, NotFoundError, StateError
 from trainer.objstore.atomic import atomic_write
 
@@ -57,6 +58,7 @@ class ClusterRecord(BaseModel):
     api_url: str | None = None
     region: str | None = None
     budget_hours: float | None = None  # the node tears itself down this long after created_at
+    doctor: DoctorResult | None = None  # the last `gpuctl doctor` (or `up`'s quick checks)
 
     @property
     def world_size(self) -> int:
@@ -207,6 +209,14 @@ def load_run(run_id: str | None, cluster: str | None = None) -> RunRecord:
     if not runs:
         raise NotFoundError("no run yet", "start one with `gpuctl train`")
     return runs[-1]
+
+
+def update_cluster(name: str, **changes: object) -> ClusterRecord:
+    path = _path("clusters", name)
+    with locked():
+        record = _read(path, ClusterRecord).model_copy(update=changes)
+        atomic_write(path, record.model_dump_json(indent=2) + "\n")
+    return record
 
 
 def update_run(run_id: str, **changes: object) -> RunRecord:

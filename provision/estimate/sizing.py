@@ -72,3 +72,28 @@ def sized_provider(cfg: GpuctlConfig) -> CloudProvider:
         return prov
     figures = {"min_ram_gb": float(math.ceil(req.ram_gb)), "disk_gb": float(math.ceil(req.disk_gb))}
     return prov.model_copy(update={k: max(v, getattr(prov, k)) for k, v in figures.items() if k in unset})
+
+
+def sizing_note(cfg: GpuctlConfig, prov: CloudProvider) -> str:
+    """Why the offer filters ask for this much host RAM and disk: plan's figures, or the user's word."""
+    import math
+
+    req = node_figures(cfg)
+    train = cfg.train
+    what = (
+        f"{train.model}, ZeRO-{train.zero_stage}, offload {train.offload_optimizer}, {train.precision}, "
+        f"{prov.gpus_per_node} GPUs per node"
+    )
+    if req is None:
+        return (
+            f"host RAM >= {prov.min_ram_gb:g} GB, disk >= {prov.disk_gb:g} GB: gpuctl plan does not know {train.model}, "
+            "so these are gpuctl.yaml's values or the defaults"
+        )
+    plan_ram, plan_disk = math.ceil(req.ram_gb), math.ceil(req.disk_gb)
+    ram_from = "provider.min_ram_gb" if "min_ram_gb" in cfg.provider.model_fields_set else "gpuctl plan"
+    disk_from = "provider.disk_gb" if "disk_gb" in cfg.provider.model_fields_set else "gpuctl plan"
+    return (
+        f"host RAM >= {prov.min_ram_gb:g} GB ({ram_from}; plan needs {plan_ram} GB: the worst of load, steady and "
+        f"resume + {req.reserve_gb:g} GB for the OS), disk >= {prov.disk_gb:g} GB ({disk_from}; plan needs "
+        f"{plan_disk} GB) for {what}; set provider.min_ram_gb / disk_gb to choose yourself"
+    )

@@ -46,12 +46,25 @@ def _up(cfg: GpuctlConfig, opts: UpOptions) -> state.ClusterRecord | None:
         sshconfig.refresh()
         if sshconfig.ssh_reachable(record):
             opts.say(sshconfig.include_hint(record))
+        if opts.doctor:  # before `train` would start: a node that cannot run the job stops here
+            _quick_checks(cfg, record, opts)
         interrupt.check()  # a Ctrl-C that a finalizer swallowed on the way still undoes `up`
     except KeyboardInterrupt:  # until `up` returns, a Ctrl-C leaves nothing rented behind
         if not provider.undo_up(record, opts.say):
             opts.say(f"interrupted: cluster {record.name} stays up; `gpuctl down` disconnects it")
         raise
     return record
+
+
+def _quick_checks(cfg: GpuctlConfig, record: state.ClusterRecord, opts: UpOptions) -> None:
+    from provision.core.checks import ChecksFailed
+    from provision.flows.doctor import run_checks
+
+    result = run_checks(cfg, record, quick=True, say=opts.say)
+    if result.failing():
+        raise ChecksFailed(result, record.name)
+    counts = result.counts()
+    opts.say(f"quick checks: {counts['pass']} pass, {counts['warn']} warn (`gpuctl doctor` for the table)")
 
 
 def _start_guard(record: state.ClusterRecord, provider: ProviderBackend, opts: UpOptions) -> None:

@@ -36,6 +36,7 @@ class UpOptions:
     assume_yes: bool = False
     confirm: Callable[[str], bool] = lambda _question: True
     say: Callable[[str], None] = print
+    doctor: bool = True  # run the quick checks (flows/doctor.py) once the cluster is up
 
 
 @dataclass

@@ -161,9 +161,10 @@ class CloudBackend(ProviderBackend):
 
     # the ProviderBackend interface -------------------------------------------------------------
     def up(self, cfg: GpuctlConfig, opts: UpOptions) -> ClusterRecord | None:
-        from provision.estimate.sizing import sized_provider
+        from provision.estimate.sizing import sized_provider, sizing_note
 
         prov = sized_provider(cfg)  # min_ram_gb / disk_gb from plan's node figures unless set
+        opts.say(sizing_note(cfg, prov))  # the confirmation below shows what plan asked for and why
         offers = self.find_offers(prov)
         if not offers:
             raise NoOfferError(

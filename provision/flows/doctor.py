@@ -1,0 +1,196 @@
+"""`gpuctl doctor` and `up`'s quick checks: run trainer/doctor.py on every node, judge, record.
+
+Per node: ship the trainer package to <workdir>/doctor/lib (the checks script imports torch, so it
+runs with the node's python, or in the image under runtime docker), time the node's clock against
+this one, send the request on stdin (the storage credentials ride there, never argv or a file),
+read back one JSON line of facts, and judge it against what gpuctl.yaml and `gpuctl plan` say
+the run needs (provision/estimate/doctor.py). The result goes in the cluster record: `status`
+shows it and `train` refuses a node whose checks failed unless --force.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from provision.core import state
+from provision.core.checks import CheckRow, DoctorResult
+from provision.core.config import CloudProvider, GpuctlConfig
+from provision.core.errors import ConfigError, RemoteError
+from provision.estimate.doctor import Needs, judge
+from provision.providers import backend
+from provision.transport.remote import Node
+
+QUICK_TIMEOUT_S = 180  # importing torch and DeepSpeed on a busy node
+FULL_TIMEOUT_S = 900  # a first CPU Adam build takes minutes
+ALLREDUCE_MB = 32
+STORAGE_MB = 64
+
+
+def needs_of(cfg: GpuctlConfig, cluster: state.ClusterRecord, node: state.NodeRecord, quick: bool) -> Needs:
+    from provision.estimate.sizing import node_figures
+    from provision.flows.render import BundleNode, BundleSpec, rank_env
+
+    spec = BundleSpec(
+        run_id="doctor",
+        run_dir=f"{node.workdir}/doctor",
+        nodes=[BundleNode(n.host, n.slots) for n in cluster.nodes],
+        python=cluster.python,
+        accelerator=node.accelerator,
+        gpu_name=node.gpu_name,
+    )
+    req = node_figures(cfg)
+    disk = sum(t.gb for t in req.disk if not t.name.startswith("trainer image")) if req else None
+    return Needs(
+        ranks=node.slots,
+        accelerator=node.accelerator,
+        gpu=cfg.provider.gpu if isinstance(cfg.provider, CloudProvider) else None,
+        ram_gb=req.ram_gb if req else None,
+        disk_gb=disk,
+        offload=cfg.train.offload_optimizer == "cpu",
+        rank_env=rank_env(cfg, spec),
+        runtime=cluster.runtime,
+        quick=quick,
+    )
+
+
+def _request(cfg: GpuctlConfig, node: state.NodeRecord, needs: Needs, quick: bool) -> dict[str, Any]:
+    from provision.core.credentials import storage_credentials
+
+    return {
+        "quick": quick,
+        "ranks": node.slots,
+        "accelerator": node.accelerator,
+        "workdir": node.workdir,
+        "offload": needs.offload,
+        "storage": cfg.storage_settings(for_node=True),
+        "storage_env": storage_credentials(cfg.storage, cfg.train.data).env,
+        "env": needs.rank_env,
+        "allreduce_mb": ALLREDUCE_MB,
+        "storage_mb": STORAGE_MB,
+    }
+
+
+def _argv(cfg: GpuctlConfig, cluster: state.ClusterRecord, node: state.NodeRecord, folder: str) -> list[str]:
+    """python -m trainer.doctor with the shipped package first on the path; in the image under runtime docker."""
+    if cluster.runtime == "docker":
+        from provision.flows.docker import DockerRun
+        from provision.providers.base import DEFAULT_IMAGE, IMAGE_PYTHON
+
+        cache = f"{node.workdir.rstrip('/')}/cache"
+        run = DockerRun(
+            image=cluster.image or DEFAULT_IMAGE,
+            run_dir=folder,
+            name=f"gpuctl-doctor-{secrets.token_hex(3)}",
+            gpus=node.accelerator == "cuda",  # a broken NVIDIA container runtime fails right here
+            shm_size=cfg.docker.shm_size,
+            ulimits=list(cfg.docker.ulimits),
+            cache_dir=cache,
+            mounts=list(cfg.docker.mounts),
+            env_values={"PYTHONPATH": f"{folder}/lib", "TORCH_EXTENSIONS_DIR": f"{cache}/torch_extensions"},
+            extra_args=["-i", *cfg.docker.run_args],
+        )
+        return [*run.argv(), IMAGE_PYTHON, "-m", "trainer.doctor"]
+    argv = ["env", f"PYTHONPATH={folder}/lib", cluster.python, "-m", "trainer.doctor"]
+    setup = getattr(cfg.provider, "setup", None)
+    return ["bash", "-c", f'{setup}\nexec "$@"', "gpuctl", *argv] if setup else argv
+
+
+def clock_offset(node: Node) -> tuple[float, float] | None:
+    """(node clock - this clock, half the round trip) in seconds; None when `date` gives no number."""
+    before = time.time()
+    out = node.sh("date +%s.%N", timeout=30, check=False).stdout.strip()
+    after = time.time()
+    try:
+        return float(out) - (before + after) / 2, (after - before) / 2
+    except ValueError:
+        return None
+
+
+def _facts(node: Node, argv: list[str], request: dict[str, Any], timeout: float) -> dict[str, Any]:
+    result = node.run(argv, check=False, timeout=timeout, stdin=json.dumps(request).encode())
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.rc != 0 or not lines:
+        detail = (result.stderr.strip() or result.stdout.strip() or f"exit {result.rc}").splitlines()
+        raise RemoteError(f"the checks script exited {result.rc}: {detail[-1][:300] if detail else ''}")
+    try:
+        facts = json.loads(lines[-1])
+    except json.JSONDecodeError as exc:
+        raise RemoteError(f"the checks script printed no JSON ({exc})") from None
+    if not isinstance(facts, dict):
+        raise RemoteError("the checks script printed JSON that is no object")
+    return facts
+
+
+def _ship(staging: Path) -> None:
+    import trainer  # the package folder only; the laptop never imports its torch modules
+
+    source = Path(trainer.__file__).resolve().parent
+    shutil.copytree(source, staging / "lib" / "trainer", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+
+
+def check_node(
+    cfg: GpuctlConfig, cluster: state.ClusterRecord, rec: state.NodeRecord, node: Node, staging: Path, quick: bool
+) -> list[CheckRow]:
+    needs = needs_of(cfg, cluster, rec, quick)
+    folder = f"{rec.workdir.rstrip('/')}/doctor"
+    try:
+        node.put_dir(staging, folder)
+        offset = clock_offset(node)
+        facts = _facts(
+            node,
+            _argv(cfg, cluster, rec, folder),
+            _request(cfg, rec, needs, quick),
+            QUICK_TIMEOUT_S if quick else FULL_TIMEOUT_S,
+        )
+    except RemoteError as exc:
+        fix = "check the node's python (provider.python) and `gpuctl ssh`; GPUCTL_DEBUG=1 shows more"
+        if cluster.runtime == "docker":
+            fix = "check `docker run --gpus all IMAGE nvidia-smi` on the node (the NVIDIA container toolkit) and the image"
+        return [
+            CheckRow(check="doctor", node=rec.host, value=exc.message[:300], expected="runs", status="fail", fix=fix)
+        ]
+    return judge(rec.host, facts, needs, offset)
+
+
+def run_checks(
+    cfg: GpuctlConfig, cluster: state.ClusterRecord, *, quick: bool, say: Callable[[str], None] = print
+) -> DoctorResult:
+    """Check every node of the cluster; record and return the result."""
+    if cfg.cluster_name != cluster.name:
+        raise ConfigError(
+            f"gpuctl.yaml is for cluster {cfg.cluster_name}, not {cluster.name}", "pass -c for its config"
+        )
+    say(f"checking {len(cluster.nodes)} node(s) of {cluster.name}" + (" (quick)" if quick else ""))
+    nodes = backend(cluster.provider).nodes(cluster)
+    rows: list[CheckRow] = []
+    with tempfile.TemporaryDirectory(prefix="gpuctl-doctor-") as tmp:
+        _ship(Path(tmp))
+        try:
+            for rec, node in zip(cluster.nodes, nodes, strict=True):
+                rows += check_node(cfg, cluster, rec, node, Path(tmp), quick)
+        finally:
+            for node in nodes:
+                node.close()
+    result = DoctorResult(quick=quick, rows=rows)
+    state.update_cluster(cluster.name, doctor=result)
+    return result
+
+
+def refuse_failed(cluster: state.ClusterRecord) -> None:
+    """`train` on a node whose last checks failed: one line naming them, and the ways on."""
+    from provision.core.errors import GpuctlError
+
+    failing = cluster.doctor.failing() if cluster.doctor else []
+    if failing:
+        what = "; ".join(f"{r.node}: {r.check} ({r.value})" for r in failing[:3])
+        raise GpuctlError(
+            f"cluster {cluster.name} failed its checks: {what}",
+            "fix what `gpuctl doctor` shows and run it again, or `gpuctl train --force`",
+        )

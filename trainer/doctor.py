@@ -1,0 +1,214 @@
+"""`gpuctl doctor`, node side: measure what this node has, print one JSON object of facts.
+
+`python -m trainer.doctor` reads its request as JSON on stdin (so the storage credentials travel
+on no command line and in no file) and prints the facts as one JSON line on stdout. It judges
+nothing: the laptop (provision/estimate/doctor.py) holds the expectations and the fixes, and
+parses nvidia-smi's output itself, so the rules are tested without a GPU or torch.
+
+Request: {"quick": bool, "ranks": int, "accelerator": "cpu"|"cuda", "workdir": str,
+"offload": bool, "storage": {CheckpointStore settings} | null, "storage_env": {AWS_*},
+"env": {gpuctl.yaml env}, "allreduce_mb": int, "storage_mb": int}.
+Quick mode (what `up` runs, seconds): host, GPUs, versions, a small storage round trip. The full
+run adds the all-reduce benchmark (trainer.doctor_allreduce), loading CPU Adam and the storage
+throughput of a larger object.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SMI_TIMEOUT_S = 30
+SMI_MAX_BYTES = 8 << 20  # an nvidia-smi XML of 8 GPUs is ~600 KB; more is not nvidia-smi's
+SHM_ENV = "GPUCTL_SHM_DIR"  # where the ranks' shared memory lives (default /dev/shm)
+
+
+def _meminfo() -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            name, _, rest = line.partition(":")
+            if rest.strip().endswith("kB"):
+                out[name] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def _existing(path: str) -> str:
+    """path, or its nearest existing parent (a workdir `up` has not made yet)."""
+    p = Path(path or "/").expanduser()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return str(p)
+
+
+def _fs(path: str) -> dict[str, Any]:
+    where = _existing(path)
+    st = os.statvfs(where)
+    return {"path": path, "measured_at": where, "total": st.f_frsize * st.f_blocks, "free": st.f_frsize * st.f_bavail}
+
+
+def host_facts(workdir: str) -> dict[str, Any]:
+    from trainer.hostenv import physical_cores
+
+    mem = _meminfo()
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    return {
+        "time": time.time(),
+        "mem_total": mem.get("MemTotal"),
+        "mem_available": mem.get("MemAvailable"),
+        "shm": _fs(os.environ.get(SHM_ENV) or "/dev/shm"),
+        "disk": _fs(workdir),
+        "cpus": len(allowed),
+        "physical_cores": len(physical_cores(set(allowed))),
+    }
+
+
+def _run(argv: list[str]) -> dict[str, Any]:
+    """An nvidia-smi call: its bounded stdout, or the error in one line."""
+    try:
+        out = subprocess.run(argv, capture_output=True, timeout=SMI_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return {"error": f"{argv[0]}: {exc}"}
+    if out.returncode != 0:
+        return {
+            "error": (out.stderr or out.stdout).decode("utf-8", "replace").strip()[-300:] or f"exit {out.returncode}"
+        }
+    if len(out.stdout) > SMI_MAX_BYTES:
+        return {"error": f"{len(out.stdout)} bytes of output: more than nvidia-smi writes"}
+    return {"text": out.stdout.decode("utf-8", "replace")}
+
+
+def gpu_facts(accelerator: str) -> dict[str, Any]:
+    if not shutil.which("nvidia-smi"):
+        return {"present": False}
+    facts: dict[str, Any] = {"present": True, "query": _run(["nvidia-smi", "-q", "-x"])}
+    if accelerator == "cuda":
+        facts["topo"] = _run(["nvidia-smi", "topo", "-m"])
+    return facts
+
+
+def _installed(name: str) -> dict[str, Any]:
+    """A package's version from its metadata, without importing it (quick mode: no seconds of import)."""
+    from importlib import metadata
+
+    try:
+        return {name: metadata.version(name)}
+    except metadata.PackageNotFoundError:
+        return {f"{name}_error": f"{name} is not installed for {sys.executable}"}
+
+
+def _torch_cuda_from_files() -> str | None:
+    """torch's CUDA build from torch/version.py, read as text (importing torch takes seconds)."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        return None
+    try:
+        text = (Path(spec.origin).parent / "version.py").read_text()
+    except OSError:
+        return None
+    found = re.search(r"^cuda(?::[^=]*)?=\s*['\"]([\d.]+)['\"]", text, re.M)
+    return found.group(1) if found else None
+
+
+def software_facts(quick: bool, load_cpu_adam: bool) -> dict[str, Any]:
+    facts: dict[str, Any] = {"python": sys.version.split()[0]}
+    if quick:
+        facts.update(_installed("torch"), **_installed("deepspeed"))
+        facts["torch_cuda"] = _torch_cuda_from_files()
+        return facts
+    try:
+        import torch
+
+        facts["torch"] = torch.__version__
+        facts["torch_cuda"] = torch.version.cuda
+        facts["cuda_available"] = bool(torch.cuda.is_available())
+    except ImportError as exc:
+        facts["torch_error"] = str(exc)
+        return facts
+    try:
+        import deepspeed
+
+        facts["deepspeed"] = deepspeed.__version__
+    except Exception as exc:  # noqa: BLE001 - DeepSpeed's import raises what its accelerator probe meets
+        facts["deepspeed_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        return facts
+    if load_cpu_adam:
+        facts["cpu_adam"] = _load_cpu_adam()
+    return facts
+
+
+def _load_cpu_adam() -> dict[str, Any]:
+    """Build (first time, into TORCH_EXTENSIONS_DIR) and load DeepSpeed's CPU Adam op, as a run would."""
+    from deepspeed.accelerator import get_accelerator
+
+    start = time.monotonic()
+    try:
+        get_accelerator().create_op_builder("CPUAdamBuilder").load(verbose=False)
+    except Exception as exc:  # noqa: BLE001 - a compiler error, a missing header: the row shows it
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[-300:], "seconds": time.monotonic() - start}
+    return {"ok": True, "seconds": time.monotonic() - start, "cache": os.environ.get("TORCH_EXTENSIONS_DIR")}
+
+
+def storage_facts(settings: dict[str, Any], env: dict[str, str], large_mb: int) -> dict[str, Any]:
+    """Put, get and delete a small object with the run's own credentials; with large_mb, time a larger one."""
+    os.environ.update(env)
+    from trainer.objstore.backends import StorageError
+    from trainer.objstore.store import CheckpointStore
+
+    facts: dict[str, Any] = {}
+    key = f".gpuctl-doctor-{secrets.token_hex(4)}"
+    try:
+        backend = CheckpointStore.from_config(settings).backend
+        facts["url"] = backend.url
+        small = secrets.token_bytes(1024)
+        backend.write_bytes(key, small)
+        facts["roundtrip"] = backend.read_bytes(key) == small
+        if large_mb:
+            big = secrets.token_bytes(large_mb << 20)
+            t0 = time.monotonic()
+            backend.write_bytes(key, big)
+            t1 = time.monotonic()
+            same = backend.read_bytes(key) == big
+            t2 = time.monotonic()
+            facts.update(large_mb=large_mb, put_s=t1 - t0, get_s=t2 - t1, large_ok=same)
+        backend.delete([key])
+        facts["deleted"] = backend.read_bytes(key) is None
+    except (StorageError, ValueError, OSError) as exc:
+        facts["error"] = f"{type(exc).__name__}: {exc}"[:400]
+    return facts
+
+
+def main() -> None:
+    request = json.loads(sys.stdin.read() or "{}")
+    os.environ.update({k: str(v) for k, v in (request.get("env") or {}).items()})
+    quick = bool(request.get("quick"))
+    accelerator = request.get("accelerator", "cpu")
+    facts: dict[str, Any] = {"host": host_facts(request.get("workdir") or "~")}
+    facts["gpu"] = gpu_facts(accelerator)
+    facts["software"] = software_facts(quick, load_cpu_adam=not quick and bool(request.get("offload")))
+    if request.get("storage"):
+        large = 0 if quick else int(request.get("storage_mb") or 0)
+        facts["storage"] = storage_facts(request["storage"], request.get("storage_env") or {}, large)
+    if not quick and "torch" in facts["software"]:
+        from trainer.doctor_allreduce import measure
+
+        facts["allreduce"] = measure(
+            int(request.get("ranks") or 1), accelerator, int(request.get("allreduce_mb") or 32)
+        )
+    sys.stdout.write(json.dumps(facts) + "\n")
+
+
+if __name__ == "__main__":
+    main()
