@@ -133,11 +133,19 @@ def run_all(config: ConfigOpt = None, yes: YesOpt = False) -> None:
     """up + train + down in one: the cluster goes away whatever the run's result."""
     from provision.cli.jobs import follow_to_end
     from provision.core import interrupt
+    from provision.core.checks import ChecksFailed
     from provision.flows import cluster, job
     from provision.providers.base import UpOptions
 
     cfg = load(config)
-    record = cluster.up(cfg, UpOptions(assume_yes=yes, confirm=confirmer(yes), say=say))
+    try:
+        record = cluster.up(cfg, UpOptions(assume_yes=yes, confirm=confirmer(yes), say=say))
+    except ChecksFailed as exc:  # `run` promises the cluster goes away: a node that cannot train included
+        from provision.cli.doctor_view import print_checks
+
+        print_checks(exc.result, only_failing=True)
+        cluster.down(cfg.cluster_name, say)
+        raise
     assert record is not None  # up returns None only on a dry run
     code = 1
     try:
