@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from provision.core import state
+from provision.core.checks import ChecksFailed
 from provision.core.config import load_config
 from provision.core.errors import ConfigError, RemoteError
 from provision.flows import cluster
@@ -417,7 +418,11 @@ def test_up_checks_the_node_python(sshd, project, state_dir):
     with pytest.raises(ConfigError, match="lacks torch, deepspeed, transformers"):
         cluster.up(load_config(project / "gpuctl.yaml"), UpOptions(say=quiet))
     write_cfg(project, sshd, python=str(bare), setup="true")  # setup may install them: a warning path
-    assert cluster.up(load_config(project / "gpuctl.yaml"), UpOptions(say=quiet)) is not None
+    # ... which the quick node checks then close: after setup the python still has no torch
+    with pytest.raises(ChecksFailed, match="failed 1 check"):
+        cluster.up(load_config(project / "gpuctl.yaml"), UpOptions(say=quiet))
+    cluster.down("sshtest", quiet)
+    assert cluster.up(load_config(project / "gpuctl.yaml"), UpOptions(say=quiet, doctor=False)) is not None
 
 
 def test_two_hosts_get_node_to_node_ssh_and_down_removes_it(sshd, project, state_dir):
