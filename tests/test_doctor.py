@@ -169,6 +169,15 @@ def test_storage_the_node_cannot_write_fails_with_the_fix(project, gpuctl: Gpuct
     assert quick.returncode == 1
     row = rows_by_check(json.loads(quick.stdout))["storage put/get/delete"]
     assert row["status"] == "fail" and "no-such-bucket" in row["value"] and "credentials" in row["fix"]
+    s3_env.delenv("AWS_ACCESS_KEY_ID")  # no credentials on the laptop: that row fails, the others still run
+    s3_env.delenv("AWS_SECRET_ACCESS_KEY")
+    bare = json.loads(gpuctl("doctor", "--quick", "--json", timeout=120).stdout)
+    rows = rows_by_check(bare)
+    assert (
+        rows["storage put/get/delete"]["status"] == "fail"
+        and "no AWS credentials" in rows["storage put/get/delete"]["value"]
+    )
+    assert rows["shared memory"]["status"] == "pass" and rows["torch"]["status"] == "pass"
     gpuctl("down", "--yes", check=True)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 from provision.core import state
 from provision.core.checks import CheckRow, DoctorResult
 from provision.core.config import CloudProvider, GpuctlConfig
-from provision.core.errors import ConfigError, RemoteError
+from provision.core.errors import ConfigError, GpuctlError, RemoteError
 from provision.estimate.doctor import Needs, judge
 from provision.providers import backend
 from provision.transport.remote import Node
@@ -61,8 +61,6 @@ def needs_of(cfg: GpuctlConfig, cluster: state.ClusterRecord, node: state.NodeRe
 
 
 def _request(cfg: GpuctlConfig, node: state.NodeRecord, needs: Needs, quick: bool) -> dict[str, Any]:
-    from provision.core.credentials import storage_credentials
-
     return {
         "quick": quick,
         "ranks": node.slots,
@@ -70,7 +68,6 @@ def _request(cfg: GpuctlConfig, node: state.NodeRecord, needs: Needs, quick: boo
         "workdir": node.workdir,
         "offload": needs.offload,
         "storage": cfg.storage_settings(for_node=True),
-        "storage_env": storage_credentials(cfg.storage, cfg.train.data).env,
         "env": needs.rank_env,
         "allreduce_mb": ALLREDUCE_MB,
         "storage_mb": STORAGE_MB,
@@ -138,17 +135,20 @@ def _ship(staging: Path) -> None:
 def check_node(
     cfg: GpuctlConfig, cluster: state.ClusterRecord, rec: state.NodeRecord, node: Node, staging: Path, quick: bool
 ) -> list[CheckRow]:
+    from provision.core.credentials import storage_credentials
+
     needs = needs_of(cfg, cluster, rec, quick)
     folder = f"{rec.workdir.rstrip('/')}/doctor"
+    request = _request(cfg, rec, needs, quick)
+    try:  # the run's own credentials, resolved here as `train` resolves them
+        request["storage_env"] = storage_credentials(cfg.storage, cfg.train.data).env
+        no_credentials = None
+    except GpuctlError as exc:  # the storage row says so; every other check still runs
+        request["storage"], no_credentials = None, {"url": cfg.storage_url(), "error": exc.one_line()}
     try:
         node.put_dir(staging, folder)
         offset = clock_offset(node)
-        facts = _facts(
-            node,
-            _argv(cfg, cluster, rec, folder),
-            _request(cfg, rec, needs, quick),
-            QUICK_TIMEOUT_S if quick else FULL_TIMEOUT_S,
-        )
+        facts = _facts(node, _argv(cfg, cluster, rec, folder), request, QUICK_TIMEOUT_S if quick else FULL_TIMEOUT_S)
     except RemoteError as exc:
         fix = "check the node's python (provider.python) and `gpuctl ssh`; GPUCTL_DEBUG=1 shows more"
         if cluster.runtime == "docker":
@@ -156,6 +156,8 @@ def check_node(
         return [
             CheckRow(check="doctor", node=rec.host, value=exc.message[:300], expected="runs", status="fail", fix=fix)
         ]
+    if no_credentials:
+        facts["storage"] = no_credentials
     return judge(rec.host, facts, needs, offset)
 
 
