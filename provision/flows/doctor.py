@@ -150,7 +150,9 @@ def check_node(
         offset = clock_offset(node)
         facts = _facts(node, _argv(cfg, cluster, rec, folder), request, QUICK_TIMEOUT_S if quick else FULL_TIMEOUT_S)
     except RemoteError as exc:
-        fix = "check the node's python (provider.python) and `gpuctl ssh`; GPUCTL_DEBUG=1 shows more"
+        fix = (
+            "check provider.python on the node: `gpuctl ssh` and run `PYTHON -m trainer.doctor` in <workdir>/doctor/lib"
+        )
         if cluster.runtime == "docker":
             fix = "check `docker run --gpus all IMAGE nvidia-smi` on the node (the NVIDIA container toolkit) and the image"
         return [
