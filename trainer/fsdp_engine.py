@@ -30,9 +30,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from trainer.config import DistEnv, TrainConfig, TrainerError
+from trainer.fsdp_export import DCP_METADATA
 
 ENGINE_FILE = "fsdp_engine.json"  # next to the DCP shards: the LR schedule's position
-DCP_METADATA = ".metadata"  # what marks a DCP checkpoint dir (rank 0 writes it)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -164,7 +164,3 @@ class FsdpEngine:
         self.scheduler.load_state_dict(extra["scheduler"])
         self.micro_steps = int(extra["micro_steps"])
         return str(source), json.loads((source / STATE_FILE).read_text())
-
-
-def is_dcp_checkpoint(tag_dir: Path) -> bool:
-    return (tag_dir / DCP_METADATA).is_file()

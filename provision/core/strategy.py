@@ -25,8 +25,9 @@ def check_strategy(train: TrainConfig) -> None:
     """Raise ValueError (pydantic shows it against `train`) for a key the chosen strategy cannot honour."""
     if train.strategy != "fsdp":
         return
-    for key, why in DEEPSPEED_ONLY.items():
-        if key in train.model_fields_set:
+    defaults = type(train).model_fields
+    for key, why in DEEPSPEED_ONLY.items():  # the init template's defaults (zero_stage 2, tensorboard false) pass
+        if key in train.model_fields_set and getattr(train, key) != defaults[key].default:
             raise ValueError(f"{key} is a DeepSpeed-only key and strategy is fsdp ({why}); remove {key}")
     if train.precision == "fp16":
         raise ValueError(
