@@ -279,7 +279,9 @@ def locate_local(path: Path) -> tuple[Path, str]:
         return path, (path / "latest").read_text().strip()
     if path.is_dir() and (any(path.glob("*model_states.pt")) or (path / ".metadata").is_file()):  # DS or FSDP (DCP)
         return path.parent, path.name
-    raise TrainerError(f"resume {path}: not a DeepSpeed save dir (no 'latest' file) nor a checkpoint tag dir (DeepSpeed or FSDP)")
+    raise TrainerError(
+        f"resume {path}: not a DeepSpeed save dir (no 'latest' file) nor a checkpoint tag dir (DeepSpeed or FSDP)"
+    )
 
 
 def fetch_from_store(cfg: RunConfig, env: DistEnv, store, log) -> tuple[Path, str]:
