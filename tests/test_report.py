@@ -197,3 +197,16 @@ def test_report_module_imports_no_heavy_deps():
         "set(sys.modules); assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_runs_of_both_strategies_in_one_table(tmp_path):
+    runs = []
+    for strategy, tps in (("deepspeed", 900.0), ("fsdp", 1000.0)):
+        run_dir = write_run(tmp_path / strategy, [tps] * 4)
+        (run_dir / "summary.json").write_text(json.dumps({"state": "succeeded", "strategy": strategy}))
+        runs.append(record(run_dir, world=3))
+    md = report_markdown(runs)
+    assert md.splitlines()[0].startswith("| Run | Strategy | Mode | Batch size | Tokens/s | Memory per GPU |")
+    rows = table_rows(md)
+    assert [r[:2] for r in rows] == [["deepspeed", "deepspeed"], ["fsdp", "fsdp"]]
+    assert [r[4] for r in rows] == ["900", "1,000"]

@@ -207,12 +207,13 @@ def resume(engine, cfg: RunConfig, env: DistEnv, store, log: Callable[[str], Non
         load_path, client_state = engine.load_checkpoint(str(load_dir), tag=tag)
     if load_path is None or not client_state:
         raise TrainerError(f"DeepSpeed could not load checkpoint {load_dir / tag}")
-    copied = own_optimizer_state(engine)
-    still = mapped_files(load_dir / tag)
-    log(
-        f"resume: checkpoint files memory-mapped; {copied / 1e9:.3f} GB of optimizer state copied off them"
-        f" on rank 0, {len(still)} file(s) still mapped"
-    )
+    if cfg.train.strategy == "deepspeed":  # FSDP's DCP load copies into the live shards: nothing stays mapped
+        copied = own_optimizer_state(engine)
+        still = mapped_files(load_dir / tag)
+        log(
+            f"resume: checkpoint files memory-mapped; {copied / 1e9:.3f} GB of optimizer state copied off them"
+            f" on rank 0, {len(still)} file(s) still mapped"
+        )
     if client_state.get("data_seed") != cfg.train.seed:
         log(
             f"warning: checkpoint data_seed {client_state.get('data_seed')} != train.seed "
@@ -276,9 +277,11 @@ def locate_local(path: Path) -> tuple[Path, str]:
     """A save dir holding `latest` (its tag), or a tag dir itself."""
     if (path / "latest").is_file():
         return path, (path / "latest").read_text().strip()
-    if path.is_dir() and any(path.glob("*model_states.pt")):
+    if path.is_dir() and (any(path.glob("*model_states.pt")) or (path / ".metadata").is_file()):  # DS or FSDP (DCP)
         return path.parent, path.name
-    raise TrainerError(f"resume {path}: not a DeepSpeed save dir (no 'latest' file) nor a checkpoint tag dir")
+    raise TrainerError(
+        f"resume {path}: not a DeepSpeed save dir (no 'latest' file) nor a checkpoint tag dir (DeepSpeed or FSDP)"
+    )
 
 
 def fetch_from_store(cfg: RunConfig, env: DistEnv, store, log) -> tuple[Path, str]:

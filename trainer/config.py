@@ -26,6 +26,7 @@ class TrainerError(Exception):
 
 
 PRECISIONS = ("fp32", "fp16", "bf16")
+STRATEGIES = ("deepspeed", "fsdp")
 # The process group's timeout when run.json has none: 30 min (DeepSpeed's default, 10 min, is shorter than
 # a rank waiting for local rank 0 to download a 7B checkpoint or tokenize a large dataset).
 DEFAULT_COLLECTIVE_TIMEOUT_S = 1800
@@ -36,6 +37,7 @@ TIMEOUT_ENV = "GPUCTL_COLLECTIVE_TIMEOUT_S"  # on the node (gpuctl.yaml env), ov
 class TrainConfig:
     """The `train` block of run.json."""
 
+    strategy: str = "deepspeed"  # deepspeed (ZeRO, ds_config) | fsdp (PyTorch FSDP2, trainer/fsdp_engine.py)
     model: str = "tiny"  # 'tiny' (built here, DeepSeek-shaped), an HF model id, or a local path
     tokenizer: str | None = None  # HF id or path; default: the model's own (tiny: built-in bytes)
     data: str = "sample"  # 'sample' (shipped in trainer/data) or a .txt/.jsonl/.parquet path
@@ -64,6 +66,8 @@ class TrainConfig:
                 raise TrainerError(f"run.json: train.{name} must be >= 1, got {getattr(self, name)}")
         if self.checkpoint_every < 0:
             raise TrainerError(f"run.json: train.checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        if self.strategy not in STRATEGIES:
+            raise TrainerError(f"run.json: train.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.precision not in PRECISIONS:
             raise TrainerError(f"run.json: train.precision must be one of {PRECISIONS}, got {self.precision!r}")
 

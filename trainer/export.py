@@ -1,4 +1,4 @@
-"""A ZeRO checkpoint -> a Hugging Face model folder (`gpuctl ckpt pull --hf DIR` runs this).
+"""A ZeRO or FSDP (DCP) checkpoint -> a Hugging Face model folder (`gpuctl ckpt pull --hf DIR` runs this).
 
     python -m trainer.export CKPT_ROOT TAG OUT_DIR --model MODEL [--tokenizer TOK] [--dtype fp32]
 
@@ -88,21 +88,28 @@ def export(args: argparse.Namespace) -> Path:
     import inspect
 
     import torch
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+    from trainer.fsdp_export import is_dcp_checkpoint, load_dcp_weights
     from trainer.tokenizer import load_tokenizer
 
     state = recorded_state(args.ckpt_root / args.tag)
     train = train_config(args, state)
     tokenizer = load_tokenizer(train)
-    log(f"merging the ZeRO shards of {args.tag} (saved by {state.get('world_size', '?')} ranks)")
-    weights = get_fp32_state_dict_from_zero_checkpoint(str(args.ckpt_root), tag=args.tag)
     model = build(train, tokenizer)
-    try:
-        model.load_state_dict(weights, strict=True)
-    except RuntimeError as exc:
-        first = str(exc).splitlines()[0:2]
-        raise TrainerError(f"checkpoint {args.tag} does not fit model {train.model!r}: {' '.join(first)}") from None
+    tag_dir = args.ckpt_root / args.tag
+    if is_dcp_checkpoint(tag_dir):  # train.strategy fsdp: torch.distributed.checkpoint shards
+        log(f"consolidating the FSDP (DCP) shards of {args.tag} (saved by {state.get('world_size', '?')} ranks)")
+        load_dcp_weights(model, tag_dir, args.tag, train.model)
+    else:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        log(f"merging the ZeRO shards of {args.tag} (saved by {state.get('world_size', '?')} ranks)")
+        weights = get_fp32_state_dict_from_zero_checkpoint(str(args.ckpt_root), tag=args.tag)
+        try:
+            model.load_state_dict(weights, strict=True)
+        except RuntimeError as exc:
+            first = str(exc).splitlines()[0:2]
+            raise TrainerError(f"checkpoint {args.tag} does not fit model {train.model!r}: {' '.join(first)}") from None
     if args.dtype != "fp32":
         model = model.to({"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype])
     model.config.use_cache = True  # off while training; generation wants it

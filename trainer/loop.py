@@ -14,6 +14,7 @@ import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import deepspeed
 import torch
@@ -72,7 +73,7 @@ class Session:
 
     cfg: RunConfig
     env: DistEnv
-    engine: deepspeed.DeepSpeedEngine
+    engine: Any  # deepspeed.DeepSpeedEngine, or trainer.fsdp_engine.FsdpEngine (train.strategy fsdp)
     data: PackedTokens
     geo: Batching
     params: int
@@ -167,11 +168,17 @@ def setup(cfg: RunConfig, env: DistEnv) -> Session:
         transformers.utils.logging.disable_progress_bar()
     tokenizer = load_tokenizer(cfg.train)
     data = load_data(cfg, env, tokenizer)
-    model = build_model(cfg.train, precision, tokenizer)
+    fsdp = cfg.train.strategy == "fsdp"
+    model = build_model(cfg.train, "fp32" if fsdp else precision, tokenizer)  # FSDP: fp32 masters, bf16 compute
     params = count_params(model)
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
-    )
+    if fsdp:  # PyTorch FSDP2 behind the same engine interface (trainer/fsdp_engine.py)
+        from trainer.fsdp_engine import FsdpEngine
+
+        engine: Any = FsdpEngine(model, ds_config, cfg.train, env, precision)
+    else:
+        engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
+        )
     geo = Batching(
         engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(), env.world_size, cfg.train.seq_len
     )
@@ -182,7 +189,7 @@ def setup(cfg: RunConfig, env: DistEnv) -> Session:
         )
     gpu_name = torch.cuda.get_device_name() if get_accelerator().device_name() == "cuda" else None
     say(
-        f"model {cfg.train.model}: {params / 1e6:.2f}M params, {precision}, vocab {len(tokenizer)}; "
+        f"{cfg.train.strategy}: model {cfg.train.model}: {params / 1e6:.2f}M params, {precision}, vocab {len(tokenizer)}; "
         f"data {data.num_samples} samples of {cfg.train.seq_len} tokens; world {env.world_size}, "
         f"global batch {geo.global_batch} ({geo.tokens_per_step} tokens/step)" + (f"; {gpu_name}" if gpu_name else "")
     )
@@ -353,6 +360,7 @@ def summarize(run: Session, stats: RunStats, pos: Position, last_tag: str | None
     return {
         "state": "succeeded",
         "run_id": run.cfg.run_id,
+        "strategy": run.cfg.train.strategy,
         "steps": pos.step,
         "start_step": stats.start_step,
         "first_loss": stats.first_loss,

@@ -30,6 +30,9 @@ def plan(
     seq_len: Annotated[Optional[int], typer.Option("--seq-len")] = None,
     checkpointing: Annotated[Optional[bool], typer.Option("--checkpointing/--no-checkpointing")] = None,
     precision: Annotated[Optional[str], typer.Option(help="fp16 | bf16 | fp32")] = None,
+    strategy: Annotated[
+        Optional[str], typer.Option(help="deepspeed | fsdp (default: train.strategy); fsdp adds FSDP2's figures")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="figures for scripts")] = False,
 ) -> None:
     """GPU memory per rank, host RAM per node (load, steady, resume) and disk, the closest config that fits,
@@ -37,7 +40,13 @@ def plan(
     from provision.estimate.plan import PlanInput, plan_to_json
     from provision.estimate.plan import plan as run_plan
 
-    base = plan_defaults(load_if_present(config))
+    cfg = load_if_present(config)
+    strategy = strategy or (cfg.train.strategy if cfg else "deepspeed")
+    if strategy not in ("deepspeed", "fsdp"):
+        from provision.core.errors import ConfigError
+
+        raise ConfigError(f"--strategy {strategy!r} is not deepspeed or fsdp", "pass --strategy deepspeed or fsdp")
+    base = plan_defaults(cfg)
     flags = dict(
         model=model,
         gpus_per_node=gpus,
@@ -54,6 +63,9 @@ def plan(
     )
     base.update({k: v for k, v in flags.items() if v is not None})
     result = run_plan(PlanInput(**base))
+    if strategy == "fsdp":
+        _plan_fsdp(result, as_json)
+        return
     if as_json:
         typer.echo(json.dumps(plan_to_json(result), indent=2))
         return
@@ -62,6 +74,45 @@ def plan(
     from provision.cli.views import plan_table
 
     Console().print(plan_table(result))
+
+
+def _plan_fsdp(result: Any, as_json: bool) -> None:
+    """FSDP2's per-rank figures (provision.estimate.fsdp) beside DeepSpeed's, and which fits better."""
+    from provision.estimate.fsdp import fsdp_memory, fsdp_to_json
+    from provision.estimate.plan import plan_to_json
+
+    fsdp = fsdp_memory(result.input)
+    figures = fsdp_to_json(result, fsdp)
+    if as_json:
+        typer.echo(json.dumps(plan_to_json(result) | {"strategy": "fsdp", "fsdp": figures}, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Column, Table
+
+    inp = result.input
+    where = " on host" if fsdp.offloaded else ""
+    table = Table(
+        "per rank",
+        Column("GB", justify="right"),
+        title=f"FSDP2: {result.model.name} on {inp.total_gpus}x {result.gpu.name}, offload {inp.offload_optimizer}, "
+        f"{inp.precision}, micro {inp.micro_batch} x seq {inp.seq_len}"
+        f"{', checkpointing' if inp.gradient_checkpointing else ''}",
+    )
+    for label, gb in (
+        (f"weights shard (fp32){where}", fsdp.params_gb),
+        (f"gradients shard (fp32){where}", fsdp.grads_gb),
+        (f"optimizer shard (Adam m, v){where}", fsdp.optimizer_gb),
+        ("gathered units (params + grads)", fsdp.gathered_gb),
+        ("activations", fsdp.activations_gb),
+        ("fragmentation", fsdp.fragmentation_gb),
+        ("CUDA context", fsdp.cuda_context_gb),
+    ):
+        table.add_row(label, f"{gb:.2f}")
+    style = "bold " + ("green" if figures["fits"] else "red")
+    table.add_row("GPU total", f"{fsdp.gpu_gb:.2f} / {result.gpu_capacity_gb:g}", style=style)
+    console = Console()
+    console.print(table)
+    console.print(f"better for this config: [bold]{figures['better_strategy']}[/] ({figures['why']})")
 
 
 def plan_defaults(cfg: GpuctlConfig | None) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from provision.core.errors import ConfigError
+from provision.core.strategy import Strategy, check_strategy
 
 CONFIG_NAME = "gpuctl.yaml"
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
@@ -192,6 +193,7 @@ Provider = Annotated[
 class TrainConfig(Strict):
     """What to train and how. train_batch_size = micro_batch x grad_accum x world size."""
 
+    strategy: Strategy = Field(default="deepspeed", description="deepspeed (ZeRO) or fsdp (PyTorch FSDP2)")
     model: str = Field(default="tiny", description="'tiny' (CPU-sized DeepSeek shape), an HF id, or a local path")
     tokenizer: str | None = Field(default=None, description="default: the model's own")
     data: str = Field(default="sample", description="'sample' (shipped), or a .txt/.jsonl/.parquet path")
@@ -222,6 +224,7 @@ class TrainConfig(Strict):
     def _warmup_fits(self) -> TrainConfig:
         if self.warmup_steps > self.max_steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) exceeds max_steps ({self.max_steps})")
+        check_strategy(self)
         return self
 
 

@@ -55,6 +55,7 @@ class RunSummary:
     tokens_per_s: float | None = None
     world_size: int | None = None
     last_checkpoint: str | None = None
+    strategy: str | None = None  # deepspeed | fsdp; absent in summaries written before train.strategy
 
 
 @dataclass(frozen=True)
@@ -213,6 +214,9 @@ def report_markdown(
     header = ["Run", "Mode", "Batch size", "Tokens/s", "Memory per GPU", "Scaling efficiency", "Final loss"]
     if show_mfu:
         header.insert(4, "MFU")
+    show_strategy = any(r.metrics.summary is not None and r.metrics.summary.strategy for r in runs)
+    if show_strategy:  # runs of both engines side by side in one table
+        header.insert(1, "Strategy")
     rows = []
     for run in runs:
         st, base = stats[id(run)], baseline or _pick_baseline(runs, run)
@@ -237,6 +241,8 @@ def report_markdown(
         ]
         if show_mfu:
             row.insert(4, "n/a" if st.mfu is None else f"{st.mfu:.1%}")
+        if show_strategy:
+            row.insert(1, strategy_of(run))
         rows.append(row)
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -251,6 +257,14 @@ def report_markdown(
         "Scaling efficiency: tokens/s_N / (N x tokens/s_1).",
     ]
     return "\n".join(lines) + "\n"
+
+
+def strategy_of(run: RunReportInput) -> str:
+    """The run's engine; a finished run from before train.strategy existed trained with DeepSpeed."""
+    summary = run.metrics.summary
+    if summary is None:
+        return "n/a"
+    return summary.strategy or "deepspeed"
 
 
 def report_png(
@@ -274,7 +288,8 @@ def report_png(
     for run in runs:
         pts = run.metrics.points
         steps = [p.step for p in pts]
-        label = f"{run.mode} ({run.metrics.run_id})"
+        engine = f"{run.metrics.summary.strategy}, " if run.metrics.summary and run.metrics.summary.strategy else ""
+        label = f"{engine}{run.mode} ({run.metrics.run_id})"
         ax_loss.plot(steps, [p.loss if math.isfinite(p.loss) else float("nan") for p in pts], label=label)
         (line,) = ax_tps.plot(steps, [p.tokens_per_s for p in pts], marker=".", label=label)
         mean = run_stats(run, skip_steps).tokens_per_s

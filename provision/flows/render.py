@@ -199,8 +199,14 @@ def render_bundle(cfg: GpuctlConfig, spec: BundleSpec, out_dir: Path) -> Path:
         after_run=spec.after_run,
         ssh_config=spec.ssh_config if len(spec.nodes) > 1 else None,
     )
+    templates = dict(TEMPLATES)
+    if cfg.train.strategy == "fsdp":  # torchrun instead of DeepSpeed's runner (provision/flows/torchrun.py)
+        from provision.flows.torchrun import SCRIPT, TEMPLATE, torchrun_context
+
+        context.update(torchrun_context(spec))
+        templates[SCRIPT] = TEMPLATE
     jinja = template_env(cfg.base_dir)
-    for name, template in TEMPLATES.items():
+    for name, template in templates.items():
         try:
             text = jinja.get_template(template).render(**context)
         except jinja2.TemplateError as exc:
