@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, Field, ValidationError
 
 from provision.core.errors import ClusterBusy, ConfigError, NotFoundError, StateError
+from provision.core.ssh_route import SSHRoute
 from trainer.objstore.atomic import atomic_write
 
 STATE_ENV = "GPUCTL_STATE_DIR"
@@ -40,6 +41,7 @@ class NodeRecord(BaseModel):
     gpu_name: str | None = None
     instance_id: str | None = None
     workdir: str = ""  # the node-side root for run dirs
+    ssh: SSHRoute | None = None  # ~/.ssh/config: jump hosts, keys, timeouts (ssh provider)
 
 
 class ClusterRecord(BaseModel):

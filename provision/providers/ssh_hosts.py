@@ -22,11 +22,12 @@ from tenacity import RetryCallState, Retrying, retry_if_exception, stop_before_d
 from provision.core import state
 from provision.core.config import GpuctlConfig, SSHProvider
 from provision.core.errors import ConfigError, RemoteError
+from provision.core.ssh_route import SSHRoute
 from provision.providers.base import ProviderBackend, SelfTeardown, UpOptions
 from provision.transport.remote import Node
 from provision.transport.ssh import mesh
 from provision.transport.ssh.connect import ConnectError
-from provision.transport.ssh.node import SSHNode, parse_host_spec
+from provision.transport.ssh.node import SSHNode
 
 NODE_MODULES = ("torch", "deepspeed", "transformers")
 LOW_DISK_GB = 20
@@ -61,10 +62,12 @@ class Target:
     user: str
     address: str
     port: int
+    route: SSHRoute | None = None  # from ssh_config: jump hosts, keys, timeouts
 
     @property
     def where(self) -> str:
-        return f"{self.user}@{self.address}:{self.port}"
+        via = f" via {self.route.jumps[-1].where}" if self.route and self.route.jumps else ""
+        return f"{self.user}@{self.address}:{self.port}{via}"
 
 
 @dataclass
@@ -116,10 +119,14 @@ class NodeFacts:
 
 
 def targets(prov: SSHProvider) -> list[Target]:
+    """provider.hosts through ssh_config (provider.ssh_config or ~/.ssh/config), as ssh reads them."""
+    from provision.transport.ssh import aliases
+
+    config, shown = aliases.load(prov.ssh_config)
     out = []
-    for spec in prov.hosts:
-        user, host, port = parse_host_spec(spec)
-        out.append(Target(user or "root", host, port or 22))
+    for i, spec in enumerate(prov.hosts):
+        found = aliases.resolve(spec, config, f"provider.hosts[{i}] {spec!r}", shown)
+        out.append(Target(found.user, found.address, found.port, found.route))
     return out
 
 
@@ -141,13 +148,19 @@ def hostfile_names(found: list[Target]) -> list[str]:
     return [t.address if t.user == first else f"{t.user}@{t.address}" for t in found]
 
 
-def probe(
+def connect(
     target: Target, prov: SSHProvider, identity: str | None, deadline_s: float, say: Callable[[str], None]
-) -> tuple[SSHNode, NodeFacts]:
-    """Connect (pinning the key on first contact) and read the node's facts; a node still
+) -> SSHNode:
+    """Connect (pinning the node's and its jump hosts' keys on first contact); a node still
     booting (refused, no answer, no banner yet) is retried with backoff until the deadline."""
     node = SSHNode(
-        target.address, target.port, target.user, identity, connect_timeout=prov.connect_timeout, pin_new=True
+        target.address,
+        target.port,
+        target.user,
+        identity,
+        connect_timeout=prov.connect_timeout,
+        pin_new=True,
+        route=target.route,
     )
 
     def note(retry_state: RetryCallState) -> None:
@@ -164,8 +177,18 @@ def probe(
     )
     for attempt in retrying:
         with attempt:
-            result = node.sh(PROBE, prov.python, timeout=max(30.0, prov.connect_timeout * 3))
-    return node, NodeFacts.parse(result.stdout)
+            node.connection()
+    return node
+
+
+def check_nodes(nodes: list[SSHNode], prov: SSHProvider) -> list[NodeFacts]:
+    """The node checks (python and its modules, tools, GPUs, disk, RAM) on every node at once."""
+    from provision.transport.ssh.group import run_on_all
+
+    results = run_on_all(
+        nodes, ["bash", "-c", PROBE, "gpuctl", prov.python], timeout=max(30.0, prov.connect_timeout * 3)
+    )
+    return [NodeFacts.parse(r.stdout) for r in results]
 
 
 def slots_for(prov: SSHProvider, facts: NodeFacts, where: str) -> tuple[int, str, str | None]:
@@ -207,12 +230,10 @@ class SSHBackend(ProviderBackend):
             return None
         started = time.monotonic()
         nodes: list[SSHNode] = []
-        facts: list[NodeFacts] = []
         for t in found:
             left = max(1.0, prov.ready_timeout - (time.monotonic() - started))
-            node, fact = probe(t, prov, identity, left, opts.say)
-            nodes.append(node)
-            facts.append(fact)
+            nodes.append(connect(t, prov, identity, left, opts.say))
+        facts = check_nodes(nodes, prov)
         runtime = self._runtime(prov, found, facts)
         workdir = self._workdir(prov, nodes, facts)
         names = hostfile_names(found)
@@ -229,6 +250,7 @@ class SSHBackend(ProviderBackend):
                     accelerator=accel,
                     gpu_name=gpu,
                     workdir=workdir,
+                    ssh=t.route,
                 )
             )
             opts.say(f"{t.where}: {describe(fact, slots, accel)}")
@@ -297,13 +319,11 @@ class SSHBackend(ProviderBackend):
             workdir = home + workdir[1:]
         elif not workdir.startswith("/"):
             workdir = f"{home}/{workdir}"
-        for node in nodes:
-            result = node.sh(
-                '[ -d "$1" ] || { mkdir -p -- "$1" && chmod 700 -- "$1"; }; [ -w "$1" ]',
-                workdir,
-                check=False,
-                timeout=60,
-            )
+        from provision.transport.ssh.group import run_on_all
+
+        script = '[ -d "$1" ] || { mkdir -p -- "$1" && chmod 700 -- "$1"; }; [ -w "$1" ]'
+        results = run_on_all(nodes, ["bash", "-c", script, "gpuctl", workdir], timeout=60, check=False)
+        for node, result in zip(nodes, results, strict=True):
             if result.rc != 0:
                 raise ConfigError(
                     f"{node.label}: cannot create or write {workdir}",
