@@ -26,8 +26,11 @@ from provision.core.ssh_route import SSHRoute
 from provision.providers.base import ProviderBackend, SelfTeardown, UpOptions
 from provision.transport.remote import Node
 from provision.transport.ssh import mesh
+from provision.transport.ssh.cleanup import stop_run_processes
 from provision.transport.ssh.connect import ConnectError
 from provision.transport.ssh.node import SSHNode
+
+__all__ = ["BACKEND", "SSHBackend", "Target", "hostfile_names", "stop_run_processes", "targets"]
 
 NODE_MODULES = ("torch", "deepspeed", "transformers")
 LOW_DISK_GB = 20
@@ -48,13 +51,6 @@ fi
 echo "disk_kb=$(df -Pk "$HOME" 2>/dev/null | awk 'NR==2{print $4}')"
 echo "mem_kb=$(awk '/^MemTotal:/{print $2}' /proc/meminfo 2>/dev/null)"
 echo "cpus=$(nproc 2>/dev/null)"'''
-
-# $1 = a run dir, $2 = signal: signal every process whose cwd is in that run dir (the
-# launcher, pdsh, DeepSpeed's per-node launcher and the ranks all `cd` there). Prints pids.
-SIGNAL_RUN = r"""for p in /proc/[0-9]*; do
-  c=$(readlink "$p/cwd" 2>/dev/null) || continue
-  case "$c" in "$1"|"$1"/*) pid=${p#/proc/}; [ "$pid" = "$$" ] || { kill -s "$2" "$pid" 2>/dev/null && echo "$pid"; };; esac
-done; exit 0"""
 
 
 @dataclass
@@ -362,16 +358,23 @@ class SSHBackend(ProviderBackend):
         return [SSHNode.from_record(n, cluster.identity_file) for n in cluster.nodes]
 
     def down(self, cluster: state.ClusterRecord, say: Callable[[str], None]) -> None:
-        nodes = self.nodes(cluster)
+        nodes = [SSHNode.from_record(n, cluster.identity_file) for n in cluster.nodes]
         run_dirs = [r.run_dir for r in state.list_runs(cluster.name)]
         try:
-            for node, rec in zip(nodes, cluster.nodes, strict=True):
+            reachable: list[Node] = []
+            for node in nodes:
                 try:
-                    stop_run_processes(node, run_dirs, say)
-                    if rec.workdir and (left := node.remove_run_secrets(rec.workdir)):
-                        say(f"{node.label}: removed {left} run secrets file(s) a killed run left behind")
+                    node.connection()
+                    reachable.append(node)
                 except RemoteError as exc:
                     say(f"warning: could not reach {node.label} to stop its run processes: {exc.message}")
+            try:
+                stop_run_processes(reachable, run_dirs, say)  # on every node at once
+                for node, rec in zip(nodes, cluster.nodes, strict=True):
+                    if node in reachable and rec.workdir and (left := node.remove_run_secrets(rec.workdir)):
+                        say(f"{node.label}: removed {left} run secrets file(s) a killed run left behind")
+            except RemoteError as exc:
+                say(f"warning: stopping the run processes failed: {exc.message}")
             mesh.teardown(cluster, nodes, say)
         finally:
             for node in nodes:
@@ -380,29 +383,6 @@ class SSHBackend(ProviderBackend):
 
     def self_teardown(self, cluster: state.ClusterRecord) -> SelfTeardown | None:
         return None  # your own machines: nothing to delete
-
-
-def stop_run_processes(node: Node, run_dirs: list[str], say: Callable[[str], None], grace_s: float = 10) -> int:
-    """TERM, then KILL, every process working in one of these run dirs on the node.
-
-    Finds them by their cwd (/proc/PID/cwd), never by name: DeepSpeed's launcher, pdsh and
-    the ranks all run in the run dir. Returns how many processes were signalled.
-    """
-    hit: set[str] = set()
-    for run_dir in run_dirs:
-        hit |= set(node.sh(SIGNAL_RUN, run_dir, "TERM", timeout=60).stdout.split())
-    if not hit:
-        return 0
-    deadline = time.monotonic() + grace_s
-    left = set(hit)
-    while left and time.monotonic() < deadline:
-        time.sleep(0.5)
-        alive = node.sh('for p in "$@"; do [ -d "/proc/$p" ] && echo "$p"; done; exit 0', *left, timeout=60)
-        left = set(alive.stdout.split())
-    for run_dir in run_dirs if left else []:
-        node.sh(SIGNAL_RUN, run_dir, "KILL", timeout=60)
-    say(f"{node.label}: stopped {len(hit)} run process(es)")
-    return len(hit)
 
 
 BACKEND = SSHBackend()
