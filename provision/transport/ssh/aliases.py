@@ -6,8 +6,9 @@
 one entry. ``user@host:port`` parts written in the entry win over the config; then the Host
 block's User, Port, HostName, IdentityFile (+ IdentitiesOnly), ProxyJump (one or more hops,
 each looked up in the same config, its own ProxyJump first, as ssh does), ConnectTimeout and
-ServerAliveInterval. A name that matches no Host block and that this machine cannot resolve
-is one ConfigError naming the field.
+ServerAliveInterval. A host the laptop connects to itself (no ProxyJump) whose name (or
+HostName) this machine cannot resolve is one ConfigError naming the field: a typo that only
+matches a wildcard block (`Host gpu-*`) is caught too.
 
 paramiko.SSHConfig does the parsing and matching (Match, wildcards, tokens, ~). fabric's
 Connection reads ProxyJump too, but it visits multi-hop lists last hop first (OpenSSH goes
@@ -102,10 +103,11 @@ def resolve(
     opts = config.lookup(name)
     alias = is_alias(config, name)
     address = opts.get("hostname", name)
-    jumps = _jumps(opts.get("proxyjump", "none"), config, field, shown, depth)
-    if local and not alias and not jumps and not resolvable(address):
+    jumps = _jumps(opts.get("proxyjump", "none"), config, field, shown, depth, own=name)
+    if local and not jumps and not resolvable(address):  # what the laptop itself must connect to
+        named = f"{name!r} (HostName {address})" if address != name else repr(name)
         raise ConfigError(
-            f"{field}: {name!r} is no Host alias in {shown} and no host name this machine resolves",
+            f"{field}: {named} is no Host alias in {shown} and no host name this machine resolves",
             f"add a `Host {name}` block (HostName, User, ProxyJump ...) to {shown}, point provider.ssh_config "
             "at the file that has it, or fix the name",
         )
@@ -135,16 +137,18 @@ def resolve(
     return Resolved(user, address, port, route)
 
 
-def _jumps(value: str, config: paramiko.SSHConfig, field: str, shown: str, depth: int) -> list[JumpHop]:
-    if value.lower() == "none":
+def _jumps(value: str, config: paramiko.SSHConfig, field: str, shown: str, depth: int, own: str) -> list[JumpHop]:
+    # a hop naming the host itself (`Host *` with ProxyJump reaches the bastion too): no hop
+    specs = [h.strip() for h in value.split(",") if h.strip() and split_spec(h)[1] != own]
+    if value.lower() == "none" or not specs:
         return []
     if depth >= MAX_HOPS:
         raise ConfigError(
             f"{field}: ProxyJump in {shown} goes more than {MAX_HOPS} hops deep (a loop?)", f"fix ProxyJump in {shown}"
         )
     hops: list[JumpHop] = []
-    for i, spec in enumerate(h for h in value.split(",") if h.strip()):
-        hop = resolve(spec, config, f"{field} (ProxyJump {spec.strip()})", shown, depth + 1, local=i == 0)
+    for i, spec in enumerate(specs):
+        hop = resolve(spec, config, f"{field} (ProxyJump {spec})", shown, depth + 1, local=i == 0)
         route = hop.route or SSHRoute()
         hops += route.jumps  # the jump host's own ProxyJump comes first, as ssh does it
         hops.append(
