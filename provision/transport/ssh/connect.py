@@ -182,31 +182,32 @@ def _connection(
 
 
 def _open(
-    conn: Connection, user: str, address: str, port: int, timeout: float, keys: list[str], jump: str | None
+    conn: Connection, where: tuple[str, str, int], timeout: float, keys: list[str], *, via: str | None, jump: bool
 ) -> None:
-    """Open one hop; a failure is one ConnectError naming the hop (`jump host ...` for a bastion)."""
+    """Open one hop (`jump`: a bastion; `via`: the jump host it is reached through); a failure
+    is one ConnectError naming the hop."""
+    user, address, port = where
     try:
         conn.open()
-    except paramiko.ChannelException as exc:  # the jump host's answer to "forward me to address:port"
+    except paramiko.ChannelException as exc:  # `via`'s answer to "forward me to address:port"
         prohibited = exc.code == 1
+        what = (
+            "refused to forward the connection (administratively prohibited)"
+            if prohibited
+            else f"cannot reach it ({exc.text})"
+        )
         raise ConnectError(
-            f"{endpoint(user, address, port)}: jump host {jump} "
-            + (
-                "refused to forward the connection (administratively prohibited)"
-                if prohibited
-                else f"cannot reach it ({exc.text})"
-            ),
+            f"{'jump host ' if jump else ''}{endpoint(user, address, port)}: jump host {via} {what}",
             "allow TCP forwarding (AllowTcpForwarding yes) on the jump host"
             if prohibited
-            else "check that the node runs sshd and that the jump host reaches its address and port",
-            transient=not prohibited,
+            else "check that the host runs sshd and that the jump host reaches its address and port",
+            transient=not prohibited and not jump,
         ) from None
     except (paramiko.SSHException, OSError, EOFError) as exc:
         error = _connect_error(exc, user, address, port, timeout, keys[0] if keys else None)
-        if jump is None:
-            raise error from None
-        error.message = f"jump host {error.message}"
-        error.transient = False  # the bastion is not booting with the node: waiting will not help
+        if jump:
+            error.message = f"jump host {error.message}"
+            error.transient = False  # a bastion is not booting with the node: waiting will not help
         raise error from None
     conn.transport.set_keepalive(KEEPALIVE_S)
 
@@ -238,12 +239,14 @@ def open_connection(
                 pin_new=pin_new,
                 gateway=gateway,
             )
+            via = gateway.user + "@" + gateway.host + f":{gateway.port}" if gateway else None
             gateway = conn
-            _open(conn, hop.user, hop.address, hop.port, timeout, hop.identity_files, hop.where)
+            _open(conn, (hop.user, hop.address, hop.port), timeout, hop.identity_files, via=via, jump=True)
         keys = [identity_file] if identity_file else route.identity_files
         agent = identity_file is None and not (route.identities_only and keys)
         conn = _connection(address, port, user, keys, agent=agent, timeout=timeout, pin_new=pin_new, gateway=gateway)
-        _open(conn, user, address, port, timeout, keys, route.jumps[-1].where if route.jumps else None)
+        via = route.jumps[-1].where if route.jumps else None
+        _open(conn, (user, address, port), timeout, keys, via=via, jump=False)
     except BaseException:
         close_chain(gateway)
         raise
