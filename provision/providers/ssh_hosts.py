@@ -1,12 +1,15 @@
-"""Provider `ssh`: machines you already have, listed in gpuctl.yaml as user@host:port.
+"""Provider `ssh`: machines you already have, listed in gpuctl.yaml as user@host:port or as
+Host aliases of the user's ssh config (transport/ssh/aliases.py: HostName, User, Port,
+IdentityFile, ProxyJump, ...; the route is recorded with each node).
 
-`up` connects to every host (retrying a booting one with backoff until
-provider.ready_timeout), pins its host key in gpuctl's known_hosts on first contact,
-checks the node (python with torch/deepspeed/transformers, or a container runtime; GPUs and
-driver via nvidia-smi; free disk; RAM) and records the cluster. With 2+ hosts it also sets
-up node-to-node SSH for DeepSpeed's pdsh launcher (provision/mesh.py). `down` stops the
-processes of this cluster's runs on every node and removes what `up` put there; the
-machines themselves are yours and stay.
+`up` connects to every host, through its jump hosts (retrying a booting node with backoff
+until provider.ready_timeout), pins its host key and the jump hosts' in gpuctl's known_hosts on
+first contact, checks the nodes all at once (fabric ThreadingGroup: python with
+torch/deepspeed/transformers, or a container runtime; GPUs and driver via nvidia-smi; free
+disk; RAM) and records the cluster. With 2+ hosts it also sets up node-to-node SSH for
+DeepSpeed's pdsh launcher (transport/ssh/mesh.py; the nodes reach each other directly, only the
+laptop uses the jump hosts). `down` stops the processes of this cluster's runs on every node
+and removes what `up` put there; the machines themselves are yours and stay.
 """
 
 from __future__ import annotations
