@@ -18,6 +18,7 @@ import yaml
 
 from tests.bastion import NODE_ADDRESSES, Bastion, NodeNet
 from tests.fakes.harness import wait_until
+from tests.sshd import keygen
 
 pytestmark = pytest.mark.timeout(600)
 EXTENSIONS = os.environ.get(
@@ -157,6 +158,13 @@ def test_bastion_that_refuses_and_a_changed_bastion_key(node_net, gpuctl, projec
     line = one_line_error(gpuctl("up", timeout=60))
     assert f"jump host {net.sshd.user}@127.0.0.1:{no_forward.port} refused to forward" in line, line
     assert "AllowTcpForwarding" in line
+
+    stranger = keygen(tmp_path / "stranger")  # a key the bastion does not know
+    config = behind(net, no_forward, tmp_path / "c2b", IdentityFile=stranger, IdentitiesOnly="yes")
+    write_project(project, ["gpu-a"], name="refused", ssh_config=str(config))
+    line = one_line_error(gpuctl("up", timeout=60))
+    assert f"jump host {net.sshd.user}@127.0.0.1:{no_forward.port}: authentication failed" in line, line
+    assert "ssh-add" in line
 
     bastion = net.bastion("rekeyed")
     config = behind(net, bastion, tmp_path / "c3")

@@ -208,6 +208,8 @@ def _open(
         if jump:
             error.message = f"jump host {error.message}"
             error.transient = False  # a bastion is not booting with the node: waiting will not help
+            if isinstance(exc, paramiko.AuthenticationException):
+                error.fix = "give the jump host an IdentityFile in your ssh config, or `ssh-add` its key"
         raise error from None
     conn.transport.set_keepalive(KEEPALIVE_S)
 
