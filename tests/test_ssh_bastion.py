@@ -271,3 +271,23 @@ def test_the_laptop_cannot_reach_the_nodes_directly(node_net):
     """The premise of the tests above: without the bastion there is no way in."""
     for address in NODE_ADDRESSES:
         assert unreachable(address, node_net.sshd.port)
+
+
+def test_run_on_all_runs_the_command_on_every_node_at_once(sshd, tmp_path):
+    """A rendezvous: each node waits for the other's mark, so it only ends if both run at once."""
+    from provision.core.errors import RemoteError
+    from provision.transport.ssh.group import run_on_all
+    from provision.transport.ssh.node import SSHNode
+
+    nodes = [SSHNode(a, sshd.port, sshd.user, str(sshd.client_key), pin_new=True) for a in ("127.0.0.1", "127.0.0.2")]
+    meet = tmp_path / "meet"
+    meet.mkdir()
+    script = (
+        'd=$1; set -- $SSH_CONNECTION; touch "$d/$3"; '
+        'for i in $(seq 100); do [ "$(ls "$d" | wc -l)" -ge 2 ] && echo "$3 met $0" && exit 0; sleep 0.1; done; exit 1'
+    )
+    results = run_on_all(nodes, ["bash", "-c", script, "it's; $(quoted)", str(meet)], timeout=60)
+    assert [r.stdout for r in results] == ["127.0.0.1 met it's; $(quoted)\n", "127.0.0.2 met it's; $(quoted)\n"]
+    with pytest.raises(RemoteError, match=r"127\.0\.0\.1:\d+: bash exited 3"):
+        run_on_all(nodes, ["bash", "-c", 'set -- $SSH_CONNECTION; [ "$3" = 127.0.0.2 ] || exit 3'], timeout=60)
+    assert [r.rc for r in run_on_all(nodes, ["false"], timeout=60, check=False)] == [1, 1]

@@ -37,7 +37,10 @@ def run_on_all(nodes: Sequence[Node], argv: list[str], *, timeout: float, check:
     from provision.transport.ssh.node import SSHNode
 
     ssh = [n for n in nodes if isinstance(n, SSHNode)]
-    if len(ssh) != len(nodes) or len(nodes) < 2:
+    # GroupResult is keyed by Connection, which fabric compares by (host, user, port) only: two
+    # nodes alike in that (one private address behind two bastions) go one after the other
+    alike = len({(n.address, n.user, n.port) for n in ssh}) < len(ssh)
+    if len(ssh) != len(nodes) or len(nodes) < 2 or alike:
         return [n.run(argv, check=check, timeout=timeout) for n in nodes]
     conns = [n.connection() for n in ssh]
     options: dict[str, Any] = {"hide": True, "warn": True, "in_stream": False, "pty": False, "encoding": "utf-8"}
