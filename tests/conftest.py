@@ -15,7 +15,7 @@ import pytest
 
 from tests.helpers import REPO, Gpuctl
 
-pytest_plugins = ["tests.sshd", "tests.s3server", "tests.dockerd", "tests.trainer_image"]
+pytest_plugins = ["tests.sshd", "tests.bastion", "tests.s3server", "tests.dockerd", "tests.trainer_image"]
 
 # DeepSpeed JIT-compiles its CPU ops once; share the cache across tests and runs.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))

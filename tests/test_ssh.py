@@ -474,7 +474,7 @@ def test_down_stops_run_processes_by_cwd(sshd, tmp_path):
     ]
     try:
         time.sleep(0.3)
-        count = stop_run_processes(node, [str(run_dir)], quiet, grace_s=2)
+        count = stop_run_processes([node], [str(run_dir)], quiet, grace_s=2)
         assert count >= 2
         for proc in procs[:2]:
             assert proc.wait(timeout=10) != 0

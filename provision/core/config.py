@@ -67,8 +67,13 @@ class SSHProvider(Strict):
     """Machines you already have, reached over SSH."""
 
     kind: Literal["ssh"] = "ssh"
-    hosts: list[str] = Field(..., min_length=1, description="user@host:port, one per node")
+    hosts: list[str] = Field(
+        ..., min_length=1, description="user@host:port or a Host alias of ssh_config, one per node"
+    )
     identity_file: str | None = Field(default=None, description="private key for the hosts")
+    ssh_config: str | None = Field(
+        default=None, description="OpenSSH client config for host aliases and ProxyJump; default ~/.ssh/config"
+    )
     gpus_per_node: int | None = Field(default=None, ge=1, le=64, description="None = what nvidia-smi reports")
     cpu_ranks: int = Field(default=3, ge=1, le=64, description="ranks per node when a node has no GPU")
     python: str = Field(default="python3", description="interpreter on the node with torch+deepspeed")

@@ -25,6 +25,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from provision.core.checks import DoctorResult
 from provision.core.errors import ClusterBusy, ConfigError, NotFoundError, StateError
+from provision.core.ssh_route import SSHRoute
 from trainer.objstore.atomic import atomic_write
 
 STATE_ENV = "GPUCTL_STATE_DIR"
@@ -41,6 +42,7 @@ class NodeRecord(BaseModel):
     gpu_name: str | None = None
     instance_id: str | None = None
     workdir: str = ""  # the node-side root for run dirs
+    ssh: SSHRoute | None = None  # ~/.ssh/config: jump hosts, keys, timeouts (ssh provider)
 
 
 class ClusterRecord(BaseModel):

@@ -1,12 +1,15 @@
-"""Provider `ssh`: machines you already have, listed in gpuctl.yaml as user@host:port.
+"""Provider `ssh`: machines you already have, listed in gpuctl.yaml as user@host:port or as
+Host aliases of the user's ssh config (transport/ssh/aliases.py: HostName, User, Port,
+IdentityFile, ProxyJump, ...; the route is recorded with each node).
 
-`up` connects to every host (retrying a booting one with backoff until
-provider.ready_timeout), pins its host key in gpuctl's known_hosts on first contact,
-checks the node (python with torch/deepspeed/transformers, or a container runtime; GPUs and
-driver via nvidia-smi; free disk; RAM) and records the cluster. With 2+ hosts it also sets
-up node-to-node SSH for DeepSpeed's pdsh launcher (provision/mesh.py). `down` stops the
-processes of this cluster's runs on every node and removes what `up` put there; the
-machines themselves are yours and stay.
+`up` connects to every host, through its jump hosts (retrying a booting node with backoff
+until provider.ready_timeout), pins its host key and the jump hosts' in gpuctl's known_hosts on
+first contact, checks the nodes all at once (fabric ThreadingGroup: python with
+torch/deepspeed/transformers, or a container runtime; GPUs and driver via nvidia-smi; free
+disk; RAM) and records the cluster. With 2+ hosts it also sets up node-to-node SSH for
+DeepSpeed's pdsh launcher (transport/ssh/mesh.py; the nodes reach each other directly, only the
+laptop uses the jump hosts). `down` stops the processes of this cluster's runs on every node
+and removes what `up` put there; the machines themselves are yours and stay.
 """
 
 from __future__ import annotations
@@ -22,11 +25,15 @@ from tenacity import RetryCallState, Retrying, retry_if_exception, stop_before_d
 from provision.core import state
 from provision.core.config import GpuctlConfig, SSHProvider
 from provision.core.errors import ConfigError, RemoteError
+from provision.core.ssh_route import SSHRoute
 from provision.providers.base import ProviderBackend, SelfTeardown, UpOptions
 from provision.transport.remote import Node
 from provision.transport.ssh import mesh
+from provision.transport.ssh.cleanup import stop_run_processes
 from provision.transport.ssh.connect import ConnectError
-from provision.transport.ssh.node import SSHNode, parse_host_spec
+from provision.transport.ssh.node import SSHNode
+
+__all__ = ["BACKEND", "SSHBackend", "Target", "hostfile_names", "stop_run_processes", "targets"]
 
 NODE_MODULES = ("torch", "deepspeed", "transformers")
 LOW_DISK_GB = 20
@@ -48,23 +55,18 @@ echo "disk_kb=$(df -Pk "$HOME" 2>/dev/null | awk 'NR==2{print $4}')"
 echo "mem_kb=$(awk '/^MemTotal:/{print $2}' /proc/meminfo 2>/dev/null)"
 echo "cpus=$(nproc 2>/dev/null)"'''
 
-# $1 = a run dir, $2 = signal: signal every process whose cwd is in that run dir (the
-# launcher, pdsh, DeepSpeed's per-node launcher and the ranks all `cd` there). Prints pids.
-SIGNAL_RUN = r"""for p in /proc/[0-9]*; do
-  c=$(readlink "$p/cwd" 2>/dev/null) || continue
-  case "$c" in "$1"|"$1"/*) pid=${p#/proc/}; [ "$pid" = "$$" ] || { kill -s "$2" "$pid" 2>/dev/null && echo "$pid"; };; esac
-done; exit 0"""
-
 
 @dataclass
 class Target:
     user: str
     address: str
     port: int
+    route: SSHRoute | None = None  # from ssh_config: jump hosts, keys, timeouts
 
     @property
     def where(self) -> str:
-        return f"{self.user}@{self.address}:{self.port}"
+        via = f" via {self.route.jumps[-1].where}" if self.route and self.route.jumps else ""
+        return f"{self.user}@{self.address}:{self.port}{via}"
 
 
 @dataclass
@@ -116,10 +118,14 @@ class NodeFacts:
 
 
 def targets(prov: SSHProvider) -> list[Target]:
+    """provider.hosts through ssh_config (provider.ssh_config or ~/.ssh/config), as ssh reads them."""
+    from provision.transport.ssh import aliases
+
+    config, shown = aliases.load(prov.ssh_config)
     out = []
-    for spec in prov.hosts:
-        user, host, port = parse_host_spec(spec)
-        out.append(Target(user or "root", host, port or 22))
+    for i, spec in enumerate(prov.hosts):
+        found = aliases.resolve(spec, config, f"provider.hosts[{i}] {spec!r}", shown)
+        out.append(Target(found.user, found.address, found.port, found.route))
     return out
 
 
@@ -141,13 +147,19 @@ def hostfile_names(found: list[Target]) -> list[str]:
     return [t.address if t.user == first else f"{t.user}@{t.address}" for t in found]
 
 
-def probe(
+def connect(
     target: Target, prov: SSHProvider, identity: str | None, deadline_s: float, say: Callable[[str], None]
-) -> tuple[SSHNode, NodeFacts]:
-    """Connect (pinning the key on first contact) and read the node's facts; a node still
+) -> SSHNode:
+    """Connect (pinning the node's and its jump hosts' keys on first contact); a node still
     booting (refused, no answer, no banner yet) is retried with backoff until the deadline."""
     node = SSHNode(
-        target.address, target.port, target.user, identity, connect_timeout=prov.connect_timeout, pin_new=True
+        target.address,
+        target.port,
+        target.user,
+        identity,
+        connect_timeout=prov.connect_timeout,
+        pin_new=True,
+        route=target.route,
     )
 
     def note(retry_state: RetryCallState) -> None:
@@ -164,8 +176,18 @@ def probe(
     )
     for attempt in retrying:
         with attempt:
-            result = node.sh(PROBE, prov.python, timeout=max(30.0, prov.connect_timeout * 3))
-    return node, NodeFacts.parse(result.stdout)
+            node.connection()
+    return node
+
+
+def check_nodes(nodes: list[SSHNode], prov: SSHProvider) -> list[NodeFacts]:
+    """The node checks (python and its modules, tools, GPUs, disk, RAM) on every node at once."""
+    from provision.transport.ssh.group import run_on_all
+
+    results = run_on_all(
+        nodes, ["bash", "-c", PROBE, "gpuctl", prov.python], timeout=max(30.0, prov.connect_timeout * 3)
+    )
+    return [NodeFacts.parse(r.stdout) for r in results]
 
 
 def slots_for(prov: SSHProvider, facts: NodeFacts, where: str) -> tuple[int, str, str | None]:
@@ -207,12 +229,10 @@ class SSHBackend(ProviderBackend):
             return None
         started = time.monotonic()
         nodes: list[SSHNode] = []
-        facts: list[NodeFacts] = []
         for t in found:
             left = max(1.0, prov.ready_timeout - (time.monotonic() - started))
-            node, fact = probe(t, prov, identity, left, opts.say)
-            nodes.append(node)
-            facts.append(fact)
+            nodes.append(connect(t, prov, identity, left, opts.say))
+        facts = check_nodes(nodes, prov)
         runtime = self._runtime(prov, found, facts)
         workdir = self._workdir(prov, nodes, facts)
         names = hostfile_names(found)
@@ -229,6 +249,7 @@ class SSHBackend(ProviderBackend):
                     accelerator=accel,
                     gpu_name=gpu,
                     workdir=workdir,
+                    ssh=t.route,
                 )
             )
             opts.say(f"{t.where}: {describe(fact, slots, accel)}")
@@ -297,13 +318,11 @@ class SSHBackend(ProviderBackend):
             workdir = home + workdir[1:]
         elif not workdir.startswith("/"):
             workdir = f"{home}/{workdir}"
-        for node in nodes:
-            result = node.sh(
-                '[ -d "$1" ] || { mkdir -p -- "$1" && chmod 700 -- "$1"; }; [ -w "$1" ]',
-                workdir,
-                check=False,
-                timeout=60,
-            )
+        from provision.transport.ssh.group import run_on_all
+
+        script = '[ -d "$1" ] || { mkdir -p -- "$1" && chmod 700 -- "$1"; }; [ -w "$1" ]'
+        results = run_on_all(nodes, ["bash", "-c", script, "gpuctl", workdir], timeout=60, check=False)
+        for node, result in zip(nodes, results, strict=True):
             if result.rc != 0:
                 raise ConfigError(
                     f"{node.label}: cannot create or write {workdir}",
@@ -342,16 +361,23 @@ class SSHBackend(ProviderBackend):
         return [SSHNode.from_record(n, cluster.identity_file) for n in cluster.nodes]
 
     def down(self, cluster: state.ClusterRecord, say: Callable[[str], None]) -> None:
-        nodes = self.nodes(cluster)
+        nodes = [SSHNode.from_record(n, cluster.identity_file) for n in cluster.nodes]
         run_dirs = [r.run_dir for r in state.list_runs(cluster.name)]
         try:
-            for node, rec in zip(nodes, cluster.nodes, strict=True):
+            reachable: list[Node] = []
+            for node in nodes:
                 try:
-                    stop_run_processes(node, run_dirs, say)
-                    if rec.workdir and (left := node.remove_run_secrets(rec.workdir)):
-                        say(f"{node.label}: removed {left} run secrets file(s) a killed run left behind")
+                    node.connection()
+                    reachable.append(node)
                 except RemoteError as exc:
                     say(f"warning: could not reach {node.label} to stop its run processes: {exc.message}")
+            try:
+                stop_run_processes(reachable, run_dirs, say)  # on every node at once
+                for node, rec in zip(nodes, cluster.nodes, strict=True):
+                    if node in reachable and rec.workdir and (left := node.remove_run_secrets(rec.workdir)):
+                        say(f"{node.label}: removed {left} run secrets file(s) a killed run left behind")
+            except RemoteError as exc:
+                say(f"warning: stopping the run processes failed: {exc.message}")
             mesh.teardown(cluster, nodes, say)
         finally:
             for node in nodes:
@@ -360,29 +386,6 @@ class SSHBackend(ProviderBackend):
 
     def self_teardown(self, cluster: state.ClusterRecord) -> SelfTeardown | None:
         return None  # your own machines: nothing to delete
-
-
-def stop_run_processes(node: Node, run_dirs: list[str], say: Callable[[str], None], grace_s: float = 10) -> int:
-    """TERM, then KILL, every process working in one of these run dirs on the node.
-
-    Finds them by their cwd (/proc/PID/cwd), never by name: DeepSpeed's launcher, pdsh and
-    the ranks all run in the run dir. Returns how many processes were signalled.
-    """
-    hit: set[str] = set()
-    for run_dir in run_dirs:
-        hit |= set(node.sh(SIGNAL_RUN, run_dir, "TERM", timeout=60).stdout.split())
-    if not hit:
-        return 0
-    deadline = time.monotonic() + grace_s
-    left = set(hit)
-    while left and time.monotonic() < deadline:
-        time.sleep(0.5)
-        alive = node.sh('for p in "$@"; do [ -d "/proc/$p" ] && echo "$p"; done; exit 0', *left, timeout=60)
-        left = set(alive.stdout.split())
-    for run_dir in run_dirs if left else []:
-        node.sh(SIGNAL_RUN, run_dir, "KILL", timeout=60)
-    say(f"{node.label}: stopped {len(hit)} run process(es)")
-    return len(hit)
 
 
 BACKEND = SSHBackend()

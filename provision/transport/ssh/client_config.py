@@ -41,12 +41,16 @@ def host_block(
     identity_file: str | None,
     known_hosts: str,
     extra: dict[str, str] | None = None,
+    keys: list[str] | None = None,
 ) -> str:
+    """One Host block. `identity_file`: gpuctl's key, the only one offered; `keys`: IdentityFile
+    lines from the user's ssh_config (the agent's keys are offered too, as there)."""
     lines = [f"Host {' '.join(names)}", f"  HostName {address}", f"  Port {port}"]
     if user:
         lines.append(f"  User {user}")
     if identity_file:
         lines += [f"  IdentityFile {quote(identity_file)}", "  IdentitiesOnly yes"]
+    lines += [f"  IdentityFile {quote(k)}" for k in ([] if identity_file else keys or [])]
     lines += [f"  UserKnownHostsFile {quote(known_hosts)}", "  StrictHostKeyChecking yes", "  CheckHostIP no"]
     lines += [f"  {k} {v}" for k, v in (extra or {}).items()]
     return "\n".join(lines) + "\n"
@@ -69,8 +73,32 @@ def render(clusters: list[state.ClusterRecord]) -> str:
             continue
         for i, node in enumerate(cluster.nodes):
             names = ([f"gpuctl-{cluster.name}"] if i == 0 else []) + [alias(cluster.name, i)]
-            out.append(host_block(names, node.address, node.port, node.user, cluster.identity_file, known))
+            out += route_blocks(names, node, cluster.identity_file, known, f"{alias(cluster.name, i)}-jump")
     return "\n".join(out)
+
+
+def route_blocks(names: list[str], node: state.NodeRecord, identity: str | None, known: str, jump: str) -> list[str]:
+    """The node's Host block and, when it sits behind ProxyJump hosts, one block per hop
+    (`<jump>0`, `<jump>1` ...: the laptop's side first), each checked against the same pinned
+    known_hosts: `ssh -F` reads this file again for the hops."""
+    route = node.ssh
+    blocks = []
+    extra: dict[str, str] = {}
+    for k, hop in enumerate(route.jumps if route else []):
+        only = {"IdentitiesOnly": "yes"} if hop.identities_only and hop.identity_files else {}
+        blocks.append(
+            host_block([f"{jump}{k}"], hop.address, hop.port, hop.user, None, known, only, hop.identity_files)
+        )
+    if blocks:
+        extra["ProxyJump"] = ",".join(f"{jump}{k}" for k in range(len(blocks)))
+    if route and route.connect_timeout:
+        extra["ConnectTimeout"] = str(max(1, round(route.connect_timeout)))
+    if route and route.keepalive_s is not None:
+        extra["ServerAliveInterval"] = str(route.keepalive_s)
+    if route and route.identities_only and route.identity_files and not identity:
+        extra["IdentitiesOnly"] = "yes"
+    keys = route.identity_files if route else []
+    return [host_block(names, node.address, node.port, node.user, identity, known, extra, keys), *blocks]
 
 
 def refresh(exclude: str | None = None) -> Path:

@@ -1,9 +1,12 @@
 """Opening SSH connections: open_client, wait_for_ssh, and ConnectError for every failure.
 
-``open_client(address, port, user, identity_file, *, timeout, pin_new) -> SSHClient``
-    A new authenticated paramiko client, its host key checked against gpuctl's known_hosts
-    (hostkeys.PinPolicy). Every failure is a ConnectError with one line and the next thing
-    to try; its ``transient`` says whether retrying can help (refused, timeout, no banner yet).
+``open_connection(address, port, user, identity_file, *, route, timeout, pin_new) -> fabric.Connection``
+    A new authenticated fabric Connection (its paramiko client: ``.client``), reached through
+    the route's ProxyJump hops (fabric gateways), every hop's host key checked against gpuctl's
+    known_hosts (hostkeys.PinPolicy). Every failure is a ConnectError with one line naming the
+    hop and the next thing to try; its ``transient`` says whether retrying can help (refused,
+    timeout, no banner yet; never for a jump host, which does not boot with the node).
+    ``close_chain(conn)`` closes it and its gateways.
 
 ``answered_within(chan, request, seconds)``
     Send a channel request whose answer paramiko waits for without a timeout (exec_command,
@@ -25,12 +28,17 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import paramiko
 
 from provision.core import interrupt
 from provision.core.errors import RemoteError
+from provision.core.ssh_route import SSHRoute
 from provision.transport.ssh.hostkeys import KnownHostsMismatch, PinPolicy, UnknownHostKey, known_hosts_path
+
+if TYPE_CHECKING:
+    from fabric import Connection
 
 # paramiko logs a dropped connection ("Socket exception: Connection reset") from its reader
 # thread; gpuctl reports it as one RemoteError line instead. GPUCTL_DEBUG=1 shows the logs.
@@ -125,41 +133,143 @@ def _connect_error(
     )
 
 
-def open_client(
+def _fabric_config() -> object:
+    """fabric settings for gpuctl's connections: no ssh_config of its own (aliases.py resolved
+    the route at `up`; fabric would read ~/.ssh/config again and visit multi-hop ProxyJump
+    lists in the other order) and a remote runner whose exec request cannot hang for good."""
+    from fabric import Config
+
+    from provision.transport.ssh.group import BoundedRemote
+
+    return Config(overrides={"load_ssh_configs": False, "runners": {"remote": BoundedRemote}})
+
+
+def _connection(
+    address: str,
+    port: int,
+    user: str,
+    keys: list[str],
+    *,
+    agent: bool,
+    timeout: float,
+    pin_new: bool,
+    gateway: object | None,
+) -> Connection:
+    """A fabric Connection (not yet open) whose paramiko client checks gpuctl's known_hosts."""
+    from fabric import Connection
+
+    conn = Connection(
+        address,
+        user=user,
+        port=port,
+        config=_fabric_config(),
+        gateway=gateway or False,  # False: no gateway from fabric's own config
+        connect_kwargs={
+            "key_filename": [str(Path(k).expanduser()) for k in keys],
+            "look_for_keys": not keys,
+            "allow_agent": agent,
+            "timeout": timeout,  # here, not connect_timeout=: fabric rounds that to whole seconds
+            "banner_timeout": timeout,
+            "auth_timeout": timeout,
+            "channel_timeout": timeout,  # also bounds the next hop's direct-tcpip open through it
+        },
+    )
+    path = known_hosts_path()
+    if path.is_file():
+        conn.client.load_system_host_keys(str(path))  # checked, never written back by paramiko
+    conn.client.set_missing_host_key_policy(PinPolicy(pin_new))  # fabric's default trusts any key
+    return conn
+
+
+def _open(
+    conn: Connection, where: tuple[str, str, int], timeout: float, keys: list[str], *, via: str | None, jump: bool
+) -> None:
+    """Open one hop (`jump`: a bastion; `via`: the jump host it is reached through); a failure
+    is one ConnectError naming the hop."""
+    user, address, port = where
+    try:
+        conn.open()
+    except paramiko.ChannelException as exc:  # `via`'s answer to "forward me to address:port"
+        prohibited = exc.code == 1
+        what = (
+            "refused to forward the connection (administratively prohibited)"
+            if prohibited
+            else f"cannot reach it ({exc.text})"
+        )
+        raise ConnectError(
+            f"{'jump host ' if jump else ''}{endpoint(user, address, port)}: jump host {via} {what}",
+            "allow TCP forwarding (AllowTcpForwarding yes) on the jump host"
+            if prohibited
+            else "check that the host runs sshd and that the jump host reaches its address and port",
+            transient=not prohibited and not jump,
+        ) from None
+    except (paramiko.SSHException, OSError, EOFError) as exc:
+        error = _connect_error(exc, user, address, port, timeout, keys[0] if keys else None)
+        if jump:
+            error.message = f"jump host {error.message}"
+            error.transient = False  # a bastion is not booting with the node: waiting will not help
+            if isinstance(exc, paramiko.AuthenticationException):
+                error.fix = "give the jump host an IdentityFile in your ssh config, or `ssh-add` its key"
+        raise error from None
+    conn.transport.set_keepalive(KEEPALIVE_S)
+
+
+def open_connection(
     address: str,
     port: int,
     user: str,
     identity_file: str | None,
     *,
+    route: SSHRoute | None = None,
     timeout: float = DEFAULT_CONNECT_TIMEOUT,
     pin_new: bool = False,
-) -> paramiko.SSHClient:
-    """A new authenticated paramiko client; host key checked against gpuctl's known_hosts."""
-    client = paramiko.SSHClient()
-    path = known_hosts_path()
-    if path.is_file():
-        client.load_system_host_keys(str(path))  # checked, never written back by paramiko
-    client.set_missing_host_key_policy(PinPolicy(pin_new))
-    key_file = str(Path(identity_file).expanduser()) if identity_file else None
+) -> Connection:
+    """An open fabric Connection to the node, through route.jumps (each an open Connection, the
+    gateway of the next); every hop's host key checked against gpuctl's known_hosts."""
+    route = route or SSHRoute()
+    timeout = route.connect_timeout or timeout
+    gateway: Connection | None = None
     try:
-        client.connect(
-            address,
-            port=port,
-            username=user,
-            key_filename=key_file,
-            look_for_keys=key_file is None,
-            allow_agent=key_file is None,
-            timeout=timeout,
-            banner_timeout=timeout,
-            auth_timeout=timeout,
-            channel_timeout=timeout,
-        )
-    except (paramiko.SSHException, OSError, EOFError) as exc:
-        client.close()
-        raise _connect_error(exc, user, address, port, timeout, identity_file) from None
-    transport = client.get_transport()
-    transport.set_keepalive(KEEPALIVE_S)
-    return client
+        for hop in route.jumps:
+            conn = _connection(
+                hop.address,
+                hop.port,
+                hop.user,
+                hop.identity_files,
+                agent=not (hop.identities_only and hop.identity_files),
+                timeout=timeout,
+                pin_new=pin_new,
+                gateway=gateway,
+            )
+            via = gateway.user + "@" + gateway.host + f":{gateway.port}" if gateway else None
+            gateway = conn
+            _open(conn, (hop.user, hop.address, hop.port), timeout, hop.identity_files, via=via, jump=True)
+        keys = [identity_file] if identity_file else route.identity_files
+        agent = identity_file is None and not (route.identities_only and keys)
+        conn = _connection(address, port, user, keys, agent=agent, timeout=timeout, pin_new=pin_new, gateway=gateway)
+        via = route.jumps[-1].where if route.jumps else None
+        _open(conn, (user, address, port), timeout, keys, via=via, jump=False)
+    except BaseException:
+        close_chain(gateway)
+        raise
+    if route.keepalive_s:
+        for hop in chain(conn):
+            hop.transport.set_keepalive(route.keepalive_s)
+    return conn
+
+
+def chain(conn: Connection | None) -> list[Connection]:
+    """The connection and its gateways, the node first."""
+    out = []
+    while conn is not None and not isinstance(conn, (str, bool)):
+        out.append(conn)
+        conn = conn.gateway
+    return out
+
+
+def close_chain(conn: Connection | None) -> None:
+    for hop in chain(conn):
+        hop.close()
 
 
 def wait_for_ssh(

@@ -141,8 +141,9 @@ def setup(
     (plus the nodes' own IPs), so the key opens nothing when used from anywhere else."""
     private, public = cluster_keypair(cluster.name)
     (key_dir(cluster.name) / "authorized_keys").write_text(authorized_keys + "\n")
-    for node in nodes:
-        node.sh(EDIT_KEY, authorized_keys, public, public, timeout=60)
+    from provision.transport.ssh.group import run_on_all
+
+    run_on_all(nodes, ["bash", "-c", EDIT_KEY, "gpuctl", authorized_keys, public, public], timeout=60)
     first, folder = nodes[0], node_ssh_dir(cluster.nodes[0].workdir)
     first.write_text(f"{folder}/id_ed25519", private, "600")
     first.write_text(f"{folder}/known_hosts", node_known_hosts(cluster), "600")
@@ -151,8 +152,7 @@ def setup(
     allowed = from_addresses(cluster, seen)
     if allowed:
         line = f'from="{",".join(allowed)}" {public}'
-        for node in nodes:
-            node.sh(EDIT_KEY, authorized_keys, public, line, timeout=60)
+        run_on_all(nodes, ["bash", "-c", EDIT_KEY, "gpuctl", authorized_keys, public, line], timeout=60)
         for rec in cluster.nodes:  # the restricted key still lets the first node in
             _hop(cluster, first, folder, rec, "true")
     else:

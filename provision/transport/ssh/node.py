@@ -1,21 +1,19 @@
-"""SSH transport: SSHNode, a remote.Node over paramiko; forget_host.
+"""SSH transport: SSHNode, a remote.Node over a fabric Connection; forget_host.
 
 ``SSHNode(address, port=22, user="root", identity_file=None, *, connect_timeout=15,
-pin_new=False, label=None)``
+pin_new=False, label=None, route=None)``
     A remote.Node over SSH. Commands are argv lists joined with shlex.join, so user values
-    arrive verbatim. One paramiko connection per (user, address, port, key) per gpuctl
-    process, opened on first use and reused by every SSHNode for that host; a broken one is
-    dropped and the next call reconnects. ``pin_new=True`` (only `gpuctl up`, on first
-    contact) records an unknown host key in gpuctl's known_hosts; otherwise an unknown key is
-    refused, and a changed key is always refused (`gpuctl forget-host HOST` resets it).
-    Every failure is a RemoteError with one line; connection failures are ConnectError,
-    whose ``transient`` says whether retrying can help (refused, timeout, no banner yet).
+    arrive verbatim. One connection (fabric Connection; through ``route``'s ProxyJump hosts
+    when it has any) per (user, address, port, key, route) per gpuctl process, opened on first
+    use and reused by every SSHNode for that host; a broken one is dropped and the next call
+    reconnects. ``pin_new=True`` (only `gpuctl up`, on first contact) records an unknown host
+    key, the jump hosts' too, in gpuctl's known_hosts; otherwise an unknown key is refused, and
+    a changed key is always refused (`gpuctl forget-host HOST` resets it). Every failure is a
+    RemoteError with one line; connection failures are ConnectError (``transient``: retrying
+    can help).
 
 ``forget_host(spec) -> int`` removes a host's pinned keys (``host``, ``host:port`` or
 ``user@host:port``), closes its pooled connections and returns how many lines went.
-
-The cloud providers and tests also import from here what the helper modules define:
-ConnectError and wait_for_ssh (sshconnect), known_hosts_path (hostkeys), walk_shipped (ignore).
 """
 
 from __future__ import annotations
@@ -26,21 +24,31 @@ import os
 import posixpath
 import select
 import shlex
-import stat
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import paramiko
 
 from provision.core import interrupt, state
-from provision.core.errors import ConfigError, RemoteError
+from provision.core.errors import RemoteError
+from provision.core.ssh_route import SSHRoute
 from provision.transport.ignore import walk_shipped
 from provision.transport.remote import CommandResult, LineSink, Node
-from provision.transport.ssh.connect import DEFAULT_CONNECT_TIMEOUT, answered_within, endpoint, open_client
+from provision.transport.ssh.connect import (
+    DEFAULT_CONNECT_TIMEOUT,
+    answered_within,
+    close_chain,
+    endpoint,
+    open_connection,
+)
 from provision.transport.ssh.hostkeys import known_hosts_path, unpin
+from provision.transport.ssh.sftp_files import _complete_utf8, _sftp_makedirs, _sftp_mkdir, _sftp_put, _sftp_remove
+
+if TYPE_CHECKING:
+    from fabric import Connection
 
 IO_TIMEOUT = 30.0  # an SFTP reply slower than this means a hung connection (half-open TCP)
 _T = TypeVar("_T")
@@ -49,17 +57,17 @@ _M = TypeVar("_M")
 
 # --- connections ---------------------------------------------------------------------------
 
-# (user, address, port, identity file, known_hosts path) -> connection
-_POOL: dict[tuple[str, str, int, str | None, str], paramiko.SSHClient] = {}
+# (user, address, port, identity file, known_hosts path, route) -> an open fabric Connection
+_POOL: dict[tuple[str, str, int, str | None, str, str], Connection] = {}
 _POOL_LOCK = threading.Lock()
 
 
 def _close_all() -> None:
     with _POOL_LOCK:
-        clients = list(_POOL.values())
+        conns = list(_POOL.values())
         _POOL.clear()
-    for client in clients:
-        client.close()
+    for conn in conns:
+        close_chain(conn)
 
 
 atexit.register(_close_all)
@@ -68,19 +76,16 @@ atexit.register(_close_all)
 def _forget_connections(address: str, port: int | None) -> None:
     with _POOL_LOCK:
         keys = [k for k in _POOL if k[1] == address and (port is None or k[2] == port)]
-        clients = [_POOL.pop(k) for k in keys]
-    for client in clients:
-        client.close()
+        conns = [_POOL.pop(k) for k in keys]
+    for conn in conns:
+        close_chain(conn)
 
 
 def parse_host_spec(spec: str) -> tuple[str | None, str, int | None]:
     """`user@host:port` -> (user, host, port); user and port may be absent."""
-    from provision.core.config import HOST_RE
+    from provision.transport.ssh.aliases import split_spec
 
-    match = HOST_RE.match(spec.strip())
-    if not match:
-        raise ConfigError(f"{spec!r} is not host, host:port or user@host:port", "e.g. ubuntu@203.0.113.7:2222")
-    return match["user"], match["host"], int(match["port"]) if match["port"] else None
+    return split_spec(spec)
 
 
 def forget_host(spec: str) -> int:
@@ -108,6 +113,7 @@ class SSHNode(Node):
         pin_new: bool = False,
         label: str | None = None,
         io_timeout: float = IO_TIMEOUT,
+        route: SSHRoute | None = None,
     ):
         self.address = address
         self.port = int(port)
@@ -116,51 +122,63 @@ class SSHNode(Node):
         self.connect_timeout = connect_timeout
         self.pin_new = pin_new
         self.io_timeout = io_timeout
-        self.label = label or endpoint(user, address, self.port)
+        self.route = route
+        via = f" via {route.jumps[-1].where}" if route and route.jumps else ""
+        self.label = label or endpoint(user, address, self.port) + via
         # The known_hosts file is part of the key: a connection checked against another state
         # dir's pins (tests, GPUCTL_STATE_DIR switches) is not reused.
-        self._key = (user, address, self.port, identity_file, str(known_hosts_path()))
+        way = route.model_dump_json() if route else ""
+        self._key = (user, address, self.port, identity_file, str(known_hosts_path()), way)
 
     @classmethod
     def from_record(cls, node: state.NodeRecord, identity_file: str | None = None, **kw: Any) -> SSHNode:
-        return cls(node.address, node.port, node.user or "root", identity_file, **kw)
+        return cls(node.address, node.port, node.user or "root", identity_file, route=node.ssh, **kw)
 
     # connection ---------------------------------------------------------------------------
-    def client(self) -> paramiko.SSHClient:
-        """The process-wide connection to this host, (re)opened when missing or broken."""
+    def connection(self) -> Connection:
+        """The process-wide fabric Connection to this host (through its jump hosts), (re)opened
+        when missing or broken."""
         with _POOL_LOCK:
-            client = _POOL.get(self._key)
-            if client is not None:
-                transport = client.get_transport()
-                if transport is not None and transport.is_active():
-                    return client
+            conn = _POOL.get(self._key)
+            if conn is not None:
+                if conn.is_connected:
+                    return conn
                 _POOL.pop(self._key, None)
-        if client is not None:
-            client.close()
-        fresh = open_client(
-            self.address, self.port, self.user, self.identity_file, timeout=self.connect_timeout, pin_new=self.pin_new
+        if conn is not None:
+            close_chain(conn)
+        fresh = open_connection(
+            self.address,
+            self.port,
+            self.user,
+            self.identity_file,
+            route=self.route,
+            timeout=self.connect_timeout,
+            pin_new=self.pin_new,
         )
         with _POOL_LOCK:
             other = _POOL.get(self._key)
-            if other is not None and other.get_transport() and other.get_transport().is_active():
-                fresh.close()
+            if other is not None and other.is_connected:
+                close_chain(fresh)
                 return other
             _POOL[self._key] = fresh
         return fresh
 
+    def client(self) -> paramiko.SSHClient:
+        """The paramiko client of the pooled connection."""
+        return self.connection().client
+
     def drop_connection(self) -> None:
         """Close the pooled connection (after an error, so the next call reconnects)."""
         with _POOL_LOCK:
-            client = _POOL.pop(self._key, None)
-        if client is not None:
-            client.close()
+            conn = _POOL.pop(self._key, None)
+        if conn is not None:
+            close_chain(conn)
 
     def close(self) -> None:
         """Release this handle. A healthy pooled connection stays for the rest of the process."""
         with _POOL_LOCK:
-            client = _POOL.get(self._key)
-        transport = client.get_transport() if client else None
-        if client is not None and (transport is None or not transport.is_active()):
+            conn = _POOL.get(self._key)
+        if conn is not None and not conn.is_connected:
             self.drop_connection()
 
     def _lost(self, exc: BaseException) -> RemoteError:
@@ -255,9 +273,8 @@ class SSHNode(Node):
             return action(self._sftp())
         except (paramiko.SSHException, OSError, EOFError) as exc:
             with _POOL_LOCK:
-                client = _POOL.get(self._key)
-            transport = client.get_transport() if client else None
-            alive = transport is not None and transport.is_active() and not isinstance(exc, TimeoutError)
+                conn = _POOL.get(self._key)
+            alive = conn is not None and conn.is_connected and not isinstance(exc, TimeoutError)
             if isinstance(exc, OSError) and alive:
                 return missing  # missing, a folder, no permission: like `[ -f ] && cat` failing
             self.drop_connection()
@@ -339,53 +356,3 @@ class SSHNode(Node):
             if transport is None or not transport.is_active() or isinstance(exc, TimeoutError):
                 self.drop_connection()
             raise RemoteError(f"{self.label}: copying {local} to {remote} failed: {exc}") from None
-
-
-def _complete_utf8(data: bytes) -> int:
-    """Length of the longest prefix of data that does not end inside a UTF-8 character."""
-    i = len(data) - 1
-    while i >= 0 and len(data) - i < 4 and data[i] & 0xC0 == 0x80:
-        i -= 1
-    if i < 0 or data[i] < 0xC0:
-        return len(data)
-    need = 2 if data[i] < 0xE0 else 3 if data[i] < 0xF0 else 4
-    return len(data) if len(data) - i >= need else i
-
-
-def _sftp_put(sftp: paramiko.SFTPClient, path: Path, target: str) -> None:
-    """One file in ~2 round trips (open, close; writes pipelined, their errors raised at close).
-    A mode other than the usual 0644 (secrets.env: 0600) is set while the file is still empty,
-    before the first byte goes out: a secret never sits in a file others may read."""
-    mode = stat.S_IMODE(path.stat().st_mode)
-    with open(path, "rb") as src, sftp.open(target, "wb") as dst:
-        if mode != 0o644:
-            dst.chmod(mode)
-        dst.set_pipelined(True)
-        while chunk := src.read(1 << 20):
-            dst.write(chunk)
-
-
-def _sftp_mkdir(sftp: paramiko.SFTPClient, path: str, mode: int) -> None:
-    try:
-        sftp.mkdir(path, mode)
-    except OSError:
-        if not stat.S_ISDIR(sftp.stat(path).st_mode):
-            raise
-
-
-def _sftp_makedirs(sftp: paramiko.SFTPClient, path: str) -> None:
-    parts = [p for p in path.split("/") if p]
-    current = "/" if path.startswith("/") else ""
-    for part in parts:
-        current = posixpath.join(current, part) if current else part
-        try:
-            sftp.stat(current)
-        except FileNotFoundError:
-            _sftp_mkdir(sftp, current, 0o700)
-
-
-def _sftp_remove(sftp: paramiko.SFTPClient, path: str) -> None:
-    try:
-        sftp.remove(path)
-    except FileNotFoundError:
-        pass
