@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -64,6 +65,16 @@ class Terminal:
             raise AssertionError(f"{what}; the screen:\n{found[0] if found else ''}") from None
         return found[0]
 
+    def clear(self, gone: str) -> None:
+        """An empty screen and scrollback (checked: `gone` is no longer in them)."""
+        self.type("clear")
+
+        def cleared(screen: str) -> bool:
+            self.tmux("clear-history", "-t", self.name)
+            return gone not in screen
+
+        self.wait_for("a clear screen", cleared, 30)
+
     def close(self) -> None:
         subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, timeout=30)
 
@@ -77,10 +88,19 @@ def terminal(project):
 
 def test_live_view_in_a_terminal_detaches_and_reattaches(project, gpuctl, state_dir, terminal):
     write_config(project, gpuctl, max_steps=30, checkpoint_every=0)
+    with_steps = re.compile(r"\b[1-9]\d*/30 steps")
     assert gpuctl("up").returncode == 0
-    gpuctl_cmd = f"{sys.executable} -m provision.cli"
-    terminal.type(f"{gpuctl_cmd} train; echo TRAIN-EXIT=$?")
-    live = terminal.wait_for("the progress bar with a step", lambda s: "/30 steps" in s and "━" in s, 600)
+    try:
+        gpuctl_cmd = f"{sys.executable} -m provision.cli"
+        terminal.type(f"{gpuctl_cmd} train; echo TRAIN-EXIT=$?")
+        terminal.wait_for("the progress bar past step 0", lambda s: with_steps.search(s) and "━" in s, 600)
+        watch_detach_reattach(terminal, gpuctl_cmd, state_dir, with_steps)
+    finally:
+        assert gpuctl("down").returncode == 0  # also stops a run a failure left going
+
+
+def watch_detach_reattach(terminal: Terminal, gpuctl_cmd: str, state_dir: Path, with_steps: re.Pattern) -> None:
+    logs_exit = re.compile(r"LOGS-EXIT=\d")  # the command line typed shows LOGS-EXIT=$?
     # Freeze the run (its process group) so it provably goes on while we detach and reattach.
     record = json.loads(next(state_dir.glob("runs/*.json")).read_text())
     os.killpg(record["pgid"], signal.SIGSTOP)
@@ -93,22 +113,31 @@ def test_live_view_in_a_terminal_detaches_and_reattaches(project, gpuctl, state_
         terminal.tmux("send-keys", "-t", terminal.name, "C-c")
         terminal.wait_for("the detach", lambda s: "TRAIN-EXIT=130" in s, 60)
         assert json.loads(Path(record["run_dir"], "status.json").read_text())["state"] == "running"
-        terminal.type(f"clear; {gpuctl_cmd} logs -f; echo LOGS-EXIT=$?")
-        again = terminal.wait_for("the same view again", lambda s: "/30 steps" in s and "LOGS-EXIT" not in s, 120)
+        terminal.clear(gone="TRAIN-EXIT")
+        terminal.type(f"{gpuctl_cmd} logs -f; echo LOGS-EXIT=$?")
+        again = terminal.wait_for(
+            "the same view again", lambda s: with_steps.search(s) and not logs_exit.search(s), 120
+        )
         assert "loss" in again and "tokens/s" in again and "[INFO]" not in again
     finally:
         os.killpg(record["pgid"], signal.SIGCONT)
-    end = terminal.wait_for("the end of the run", lambda s: "LOGS-EXIT=" in s, 600)
+    end = terminal.wait_for("the end of the run", logs_exit.search, 600)
     assert "LOGS-EXIT=0" in end and "30/30 steps" in end
     assert f"run {record['run_id']} succeeded" in end and "steps 30/30" in end
     assert "gpuctl ckpt pull step30 --hf ./step30-hf" in end and "wall time" in end
     assert "[INFO]" not in end
-    assert gpuctl("down").returncode == 0
 
 
 def test_on_a_pipe_plain_lines_and_json_lines(project, gpuctl, state_dir):
     write_config(project, gpuctl, max_steps=6, log_every=2, checkpoint_every=0)
     assert gpuctl("up").returncode == 0
+    try:
+        on_a_pipe(gpuctl)
+    finally:
+        assert gpuctl("down").returncode == 0
+
+
+def on_a_pipe(gpuctl: Gpuctl) -> None:
     train = gpuctl("train", "--json")
     assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
     assert ESC not in train.stdout + train.stderr
@@ -136,4 +165,3 @@ def test_on_a_pipe_plain_lines_and_json_lines(project, gpuctl, state_dir):
     assert "[INFO]" in verbatim.stdout and "trainer: model tiny" in verbatim.stdout
     status = gpuctl("status")
     assert socket.gethostname() in status.stdout and "localhost:22" not in status.stdout
-    assert gpuctl("down").returncode == 0

@@ -202,6 +202,7 @@ def resume(engine, cfg: RunConfig, env: DistEnv, store, log: Callable[[str], Non
     """Load the checkpoint run.json asks for; returns where to continue (step 0 when fresh)."""
     if cfg.resume is None:
         return Position()
+    events.phase("resuming", f"checkpoint {cfg.resume}" + ("" if cfg.resume.startswith("/") else " from the store"))
     if cfg.resume.startswith("/"):
         load_dir, tag = locate_local(Path(cfg.resume))
     else:

@@ -19,7 +19,7 @@ from rich.spinner import Spinner
 from rich.table import Table
 from rich.text import Text
 
-from provision.cli.runview import _duration, _num, checkpoint_text, summary_lines
+from provision.cli.runview import _duration, _num, checkpoint_text, no_mfu, summary_lines
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -94,7 +94,7 @@ def figures(st: WatchState) -> Table:
         "tokens/s",
         f"{_num(last.get('tokens_per_s'), ',.0f')}   step time {_num(last.get('step_time_s'), '.2f')} s   "
         f"MFU {_num(100 * last['mfu'] if isinstance(last.get('mfu'), (int, float)) else None, '.1f', 'n/a')}"
-        + ("%" if isinstance(last.get("mfu"), (int, float)) else " (no GPU peak known)"),
+        + ("%" if isinstance(last.get("mfu"), (int, float)) else no_mfu(st)[3:]),
     )
     mem = last.get("peak_mem_gb")
     grid.add_row(
@@ -132,7 +132,7 @@ def screen(st: WatchState, started: float) -> RenderableType:
     if current is not None:
         parts.append(phase_row(current))
     elif not st.metrics:
-        parts.append(Spinner("dots", Text("waiting for the run to start", style="bold")))
+        parts.append(Spinner("dots", Text("launching: DeepSpeed's launcher starts the ranks", style="bold")))
     if st.metrics or current is None:
         parts += [progress(st, started), figures(st)]
     return Panel(Group(*parts), border_style="blue", expand=False)

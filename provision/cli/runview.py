@@ -78,6 +78,10 @@ def summary_of(st: WatchState) -> dict[str, Any]:
     }
 
 
+def no_mfu(st: WatchState) -> str:
+    return "n/a (CPU ranks)" if st.info.run.accelerator == "cpu" else "n/a (no peak FLOP/s known for this GPU)"
+
+
 def summary_lines(st: WatchState) -> list[str]:
     s = summary_of(st)
     code = f" (exit {s['exit_code']})" if s["exit_code"] not in (None, 0) else ""
@@ -86,7 +90,7 @@ def summary_lines(st: WatchState) -> list[str]:
         f"run {s['run_id']} {s['state']}{code}",
         f"  steps {s['steps'] or 0}/{s['max_steps']}   loss {losses or 'n/a'}",
         f"  tokens/s {_num(s['tokens_per_s'], ',.0f')} (mean)   MFU "
-        + (f"{100 * s['mfu']:.1f}%" if isinstance(s["mfu"], (int, float)) else "n/a (no GPU peak known)"),
+        + (f"{100 * s['mfu']:.1f}%" if isinstance(s["mfu"], (int, float)) else no_mfu(st)),
         f"  wall time {_duration(s['wall_s'])}   cost "
         + (f"${s['cost']:.2f}" if s["cost"] is not None else "$0 (no price: local or own host)"),
     ]
@@ -112,10 +116,14 @@ class PlainSink:
     def update(self, st: WatchState, new: Update) -> None:
         for line in st.fresh_alerts:
             typer.echo(line)
-        for event in new.events:
-            typer.echo(("phase: " + phase_text(event)) if event.get("kind") == "phase" else checkpoint_text(event))
+        for event in new.events:  # phases come before the steps they precede, checkpoints after theirs
+            if event.get("kind") == "phase":
+                typer.echo("phase: " + phase_text(event))
         for rec in new.metrics:
             typer.echo(step_line(rec, st.info.run.max_steps))
+        for event in new.events:
+            if event.get("kind") == "checkpoint":
+                typer.echo(checkpoint_text(event))
         if st.ended:
             for line in summary_lines(st):
                 typer.echo(line)
@@ -126,8 +134,10 @@ class JsonSink:
 
     def update(self, st: WatchState, new: Update) -> None:
         rows: list[dict[str, Any]] = [{"type": "log", "line": line} for line in st.fresh_alerts]
-        rows += [{"type": e.get("kind"), **{k: v for k, v in e.items() if k != "kind"}} for e in new.events]
+        events = [{"type": e.get("kind"), **{k: v for k, v in e.items() if k != "kind"}} for e in new.events]
+        rows += [e for e in events if e["type"] == "phase"]
         rows += [{"type": "step", **rec} for rec in new.metrics]
+        rows += [e for e in events if e["type"] != "phase"]
         if st.ended:
             rows.append({"type": "summary", **summary_of(st)})
         for row in rows:

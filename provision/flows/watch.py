@@ -139,6 +139,8 @@ class WatchState:
         if update.metrics and not self.metrics:
             self.end_phase(float(update.metrics[0].get("time") or time.time()))
         self.metrics += update.metrics
+        if self.ended:  # a run that failed before its first step: its last phase ended with it
+            self.end_phase(float(update.status.status.get("ended_at") or time.time()))
 
     def _phase_began(self, event: dict[str, Any]) -> None:
         when = float(event.get("time") or time.time())
