@@ -48,6 +48,7 @@ def test_up_train_status_down(project, gpuctl, state_dir):
     train = gpuctl("train")
     assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
     assert "step 12/12" in train.stdout
+    assert "[INFO]" not in train.stdout and "\x1b" not in train.stdout  # a pipe: plain lines, no launcher chatter
 
     status = json.loads(gpuctl("status", "--json").stdout)
     run = status["run"]

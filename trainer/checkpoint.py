@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from trainer import events
 from trainer.config import DistEnv, RunConfig, TrainerError
 from trainer.diskroom import LocalTag, Room, expected_save_bytes, free_bytes, plan_room, tag_bytes
 
@@ -88,7 +89,8 @@ class Checkpointer:
         if store is not None and env.is_local_main:
             from trainer.objstore.uploader import BackgroundUploader
 
-            self.uploader = BackgroundUploader(store, env.node_rank, cfg.num_nodes)
+            done = (lambda tag: events.checkpoint(tag, "published")) if env.is_main else None
+            self.uploader = BackgroundUploader(store, env.node_rank, cfg.num_nodes, on_done=done)
 
     def save(self, pos: Position, train_batch_size: int, final: bool = False) -> str | None:
         """Save tag step<N> on every rank (collective); None when the disk had no room (skipped)."""
@@ -106,6 +108,7 @@ class Checkpointer:
             "tokenizer": self.cfg.train.tokenizer,
             "seq_len": self.cfg.train.seq_len,
         }
+        events.checkpoint(tag, "saving")
         self.engine.save_checkpoint(str(self.dir), tag=tag, client_state=state)
         if self.env.is_local_main:
             (self.dir / tag / STATE_FILE).write_text(json.dumps(state) + "\n")
@@ -114,6 +117,7 @@ class Checkpointer:
             self.uploader.submit(self.dir / tag, tag, pos.step, self.env.world_size)
         if self.env.is_local_main:
             self.log(f"checkpoint {tag} saved" + (", uploading" if self.uploader else ""))
+            events.checkpoint(tag, "uploading" if self.uploader else "saved", tag_bytes(self.dir / tag))
             self.prune()
         self.last_tag = tag
         return tag
@@ -198,6 +202,7 @@ def resume(engine, cfg: RunConfig, env: DistEnv, store, log: Callable[[str], Non
     """Load the checkpoint run.json asks for; returns where to continue (step 0 when fresh)."""
     if cfg.resume is None:
         return Position()
+    events.phase("resuming", f"checkpoint {cfg.resume}" + ("" if cfg.resume.startswith("/") else " from the store"))
     if cfg.resume.startswith("/"):
         load_dir, tag = locate_local(Path(cfg.resume))
     else:

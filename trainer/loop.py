@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import transformers
 from deepspeed.accelerator import get_accelerator
 
+from trainer import events
 from trainer.checkpoint import Checkpointer, Position, open_store, resume
 from trainer.config import DistEnv, RunConfig, TrainerError
 from trainer.dataset import (
@@ -117,6 +118,7 @@ def train(cfg: RunConfig, env: DistEnv) -> dict:
     metrics = MetricsLog(cfg.run_dir, cfg.train.max_steps) if env.is_main else None
     stats = RunStats(start_step=pos.step)
 
+    events.phase("first step", f"step {pos.step + 1} of {cfg.train.max_steps}")
     run.engine.train()
     while pos.step < cfg.train.max_steps:
         pos = step_and_log(run, sampler, pos, stats, metrics)
@@ -151,6 +153,8 @@ def step_and_log(
 def setup(cfg: RunConfig, env: DistEnv) -> Session:
     ds_config = json.loads((cfg.run_dir / cfg.ds_config).read_text())
     precision = ds_precision(ds_config)
+    events.start(cfg.run_dir, env.is_main)
+    events.compile_phase("starting ranks", events.ops_needed(ds_config, at_init=False))
     start_distributed(env, precision, cfg.collective_timeout_s)
     say = (lambda m: print(f"trainer: {m}", flush=True)) if env.is_main else (lambda _m: None)
     for warning in cfg.warnings:
@@ -166,8 +170,10 @@ def setup(cfg: RunConfig, env: DistEnv) -> Session:
 
     if not env.is_main:  # one "Loading weights" bar in job.log, not one per rank
         transformers.utils.logging.disable_progress_bar()
+    events.phase("tokenizing data", str(cfg.train.data))
     tokenizer = load_tokenizer(cfg.train)
     data = load_data(cfg, env, tokenizer)
+    events.phase("loading model", str(cfg.train.model))
     fsdp = cfg.train.strategy == "fsdp"
     model = build_model(cfg.train, "fp32" if fsdp else precision, tokenizer)  # FSDP: fp32 masters, bf16 compute
     params = count_params(model)
@@ -176,6 +182,7 @@ def setup(cfg: RunConfig, env: DistEnv) -> Session:
 
         engine: Any = FsdpEngine(model, ds_config, cfg.train, env, precision)
     else:
+        events.compile_phase("initializing DeepSpeed", events.ops_needed(ds_config, at_init=True))
         engine, *_ = deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
         )

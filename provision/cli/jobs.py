@@ -15,20 +15,21 @@ if TYPE_CHECKING:
     from provision.core.state import ClusterRecord, RunRecord
 
 app = typer.Typer()
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="show job.log verbatim (DeepSpeed's INFO lines too)")]
 
 
-def follow_to_end(run: RunRecord) -> int:
-    """Stream the run's log until it ends; its exit code, or 130 when Ctrl-C detached."""
+def follow_to_end(run: RunRecord, *, verbose: bool = False, as_json: bool = False) -> int:
+    """Show the run until it ends (cli/runview.py picks the view); its exit code, or 130 when Ctrl-C detached."""
+    from provision.cli.runview import show_run
     from provision.core import interrupt
     from provision.flows import job
 
     try:
-        status = job.follow(run, typer.echo)
+        status = show_run(run, verbose=verbose, as_json=as_json)
     except KeyboardInterrupt:
         interrupt.answered()  # the detach answers it
         say(f"\ndetached; run {run.run_id} goes on. `gpuctl logs -f` reattaches, `gpuctl cancel` stops it")
         return 130
-    say(f"run {run.run_id} {status.state}")
     job.fetch_results(run)  # `gpuctl report` works after `down`
     return job.exit_code_of(status)
 
@@ -48,6 +49,8 @@ def train(
     resume: Annotated[bool, typer.Option("--resume", help="continue from the store's latest checkpoint")] = False,
     resume_from: Annotated[Optional[str], typer.Option(help="continue from this checkpoint TAG")] = None,
     force: Annotated[bool, typer.Option("--force", help="train even on a node whose checks failed")] = False,
+    verbose: VerboseOpt = False,
+    as_json: Annotated[bool, typer.Option("--json", help="stream the metrics as JSON lines")] = False,
 ) -> None:
     """Run training on the cluster; follow the logs and exit with the run's exit code."""
     from provision.core import state
@@ -69,7 +72,7 @@ def train(
     if detach:
         typer.echo(run.run_id)
         return
-    raise typer.Exit(follow_to_end(run))
+    raise typer.Exit(follow_to_end(run, verbose=verbose, as_json=as_json))
 
 
 def _print_dry_run(cfg: GpuctlConfig, resume: Optional[str]) -> None:
@@ -145,14 +148,15 @@ def logs(
     run_id: RunArg = None,
     config: ConfigOpt = None,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="keep following until the run ends")] = False,
+    verbose: VerboseOpt = False,
 ) -> None:
-    """Print a run's job.log; -f follows it (also after a dropped connection)."""
+    """Print a run's job.log; -f follows the run in train's view (-v: the log verbatim), also after a dropped connection."""
     from provision.core import state
     from provision.flows import job
 
     run = state.load_run(run_id, None if run_id else cluster_name(config, None))
     if follow:
-        raise typer.Exit(follow_to_end(run))
+        raise typer.Exit(follow_to_end(run, verbose=verbose))
     job.follow(run, typer.echo, until_end=False)
 
 

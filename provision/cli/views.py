@@ -20,6 +20,15 @@ def _ago(epoch: float | None) -> str:
     return f"{secs // 3600}h{secs % 3600 // 60:02d}m" if secs >= 3600 else f"{secs // 60}m{secs % 60:02d}s"
 
 
+def _address(provider: str, node: dict[str, Any]) -> str:
+    """Where the node is: for provider local this machine by name (no ssh port is involved)."""
+    if provider == "local":
+        import socket
+
+        return f"{socket.gethostname()} (this machine)"
+    return f"{node['address']}:{node['port']}"
+
+
 def print_status(info: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -39,7 +48,7 @@ def print_status(info: dict[str, Any]) -> None:
                 node["host"],
                 str(node["slots"]),
                 node.get("gpu_name") or node["accelerator"],
-                f"{node['address']}:{node['port']}",
+                _address(cluster["provider"], node),
             )
         console.print(table)
         if cluster.get("price_per_hour"):

@@ -115,6 +115,8 @@ def start_run(
             from provision.flows.image import ship_cluster
 
             ship_cluster(cfg, cluster, say, nodes)
+        size = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file())
+        say(f"shipping the run bundle ({size / 1e6:,.1f} MB) to {len(nodes)} node(s)")
         for node, rec in zip(nodes, cluster.nodes, strict=True):
             node.put_dir(bundle, run_dir_of(rec.workdir, run_id))
         with interrupt.deferred():  # once launch.sh runs, the run is recorded before a Ctrl-C lands

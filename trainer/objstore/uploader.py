@@ -65,12 +65,14 @@ class BackgroundUploader:
         publish_timeout: float = 1800.0,
         backoff_initial: float = 1.0,
         backoff_max: float = 60.0,
+        on_done: Callable[[str], None] | None = None,
     ):
         self.store, self.node_rank, self.num_nodes, self.log = store, node_rank, num_nodes, log
         if retry_deadline is None:
             retry_deadline = getattr(store, "retry_deadline", 3600.0)
         self.retry_deadline, self.publish_timeout = retry_deadline, publish_timeout
         self.backoff_initial, self.backoff_max = backoff_initial, backoff_max
+        self.on_done = on_done  # called with the tag once this node's upload (node 0: and publish) is done
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._cond = threading.Condition()
         self._pending: list[str] = []  # tags submitted and not finished, in order
@@ -156,6 +158,8 @@ class BackgroundUploader:
                     self._errors.append(error)
                 else:
                     self._uploaded.add(job.tag)
+                    if self.on_done is not None:
+                        self.on_done(job.tag)
                 self._pending.remove(job.tag)
                 self._cond.notify_all()
 

@@ -1,0 +1,238 @@
+"""Watching a run: read job.log, metrics.jsonl, events.jsonl and status.json incrementally from the
+node over the existing transport, and keep what a screen needs in one WatchState.
+
+The figures come from metrics.jsonl (one record per logged step) and events.jsonl (the trainer's
+phases and checkpoint states, trainer/events.py); status.json says whether the run goes on. Of
+job.log only the lines at WARNING or above reach a screen (`alert_line`); the rest stays in the
+log (`gpuctl logs`, `train -v`). The views that draw a WatchState live in provision/cli/live.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from provision.core import interrupt, state
+from provision.core.errors import GpuctlError, RemoteError
+from provision.flows import job
+from provision.transport.remote import Node
+
+EVENTS_FILE = "events.jsonl"  # trainer/events.py writes it (provision never imports the trainer's modules)
+# DeepSpeed's own format is "[time] [LEVEL] [file:line:func] text"; INFO lines stay in job.log.
+_DS_LEVEL = re.compile(r"^\[[^]]*\] \[(\w+)\]")
+_ALERT = re.compile(
+    r"\b(warning|error|errors|failed|traceback|killed|exception|out of memory)\b|^\w+(Error|Exception|Warning):",
+    re.IGNORECASE,
+)
+
+
+def alert_line(line: str) -> bool:
+    """A job.log line that must reach the screen: WARNING and above, errors, tracebacks, failures."""
+    level = _DS_LEVEL.match(line)
+    if level:
+        return level.group(1).upper() in ("WARNING", "ERROR", "CRITICAL")
+    return bool(_ALERT.search(line))
+
+
+class Tail:
+    """A growing file on the node, read from where the last read stopped; only whole lines come out."""
+
+    def __init__(self, path: str):
+        self.path, self.offset, self.partial = path, 0, ""
+
+    def read(self, node: Node) -> list[str]:
+        chunk, self.offset = node.read_new(self.path, self.offset)
+        text = self.partial + chunk
+        lines = text.split("\n")
+        self.partial = lines.pop()  # "" after a final newline; else a line still being written
+        return lines
+
+
+def _records(lines: list[str]) -> list[dict[str, Any]]:
+    out = []
+    for line in lines:
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(value, dict):
+            out.append(value)
+    return out
+
+
+@dataclass
+class Update:
+    """What one poll found new."""
+
+    status: job.RunStatus
+    log_lines: list[str]
+    metrics: list[dict[str, Any]]
+    events: list[dict[str, Any]]
+
+
+@dataclass
+class Phase:
+    name: str
+    detail: str
+    started: float
+    expect_s: float | None = None
+    ended: float | None = None
+
+
+@dataclass
+class RunInfo:
+    """The header: what runs where. From the run record, its cluster record and the shipped run.json."""
+
+    run: state.RunRecord
+    cluster: state.ClusterRecord | None
+    train: dict[str, Any]
+    storage_url: str | None
+
+    @classmethod
+    def of(cls, run: state.RunRecord) -> RunInfo:
+        try:
+            spec = json.loads((Path(run.bundle_dir) / "run.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            spec = {}
+        storage = spec.get("storage") or {}
+        return cls(run, state.find_cluster(run.cluster), spec.get("train") or {}, storage.get("url"))
+
+    @property
+    def log_every(self) -> int:
+        return int(self.train.get("log_every") or 1)
+
+    def cost_so_far(self, now: float) -> float | None:
+        c = self.cluster
+        return c.price_per_hour * (now - c.created_at) / 3600 if c and c.price_per_hour else None
+
+    def budget_left_s(self, now: float) -> float | None:
+        c = self.cluster
+        return c.created_at + c.budget_hours * 3600 - now if c and c.budget_hours else None
+
+
+@dataclass
+class WatchState:
+    """Everything a view draws, folded from the updates."""
+
+    info: RunInfo
+    status: job.RunStatus | None = None
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    phases: list[Phase] = field(default_factory=list)
+    checkpoint: dict[str, Any] = field(default_factory=dict)  # the newest checkpoint event
+    alerts: list[str] = field(default_factory=list)
+    fresh_alerts: list[str] = field(default_factory=list)  # those of the last update
+
+    def apply(self, update: Update) -> None:
+        self.status = update.status
+        self.fresh_alerts = [line for line in update.log_lines if alert_line(line)]
+        self.alerts += self.fresh_alerts
+        for event in update.events:
+            if event.get("kind") == "phase":
+                self._phase_began(event)
+            elif event.get("kind") == "checkpoint":
+                self.checkpoint = event
+        if update.metrics and not self.metrics:
+            self.end_phase(float(update.metrics[0].get("time") or time.time()))
+        self.metrics += update.metrics
+        if self.ended:  # a run that failed before its first step: its last phase ended with it
+            self.end_phase(float(update.status.status.get("ended_at") or time.time()))
+
+    def _phase_began(self, event: dict[str, Any]) -> None:
+        when = float(event.get("time") or time.time())
+        self.end_phase(when)
+        expect = event.get("expect_s")
+        self.phases.append(
+            Phase(str(event.get("name")), str(event.get("detail") or ""), when, float(expect) if expect else None)
+        )
+
+    def end_phase(self, when: float) -> None:
+        if self.phases and self.phases[-1].ended is None:
+            self.phases[-1].ended = when
+
+    @property
+    def current_phase(self) -> Phase | None:
+        return self.phases[-1] if self.phases and self.phases[-1].ended is None else None
+
+    @property
+    def last(self) -> dict[str, Any]:
+        return self.metrics[-1] if self.metrics else {}
+
+    @property
+    def ended(self) -> bool:
+        return self.status is not None and self.status.state in job.TERMINAL
+
+
+class Sink(Protocol):
+    def update(self, st: WatchState, new: Update) -> None: ...
+
+
+@dataclass
+class Feed:
+    """The run's files on its first node, each read incrementally."""
+
+    run: state.RunRecord
+    log: Tail = field(init=False)
+    metrics: Tail = field(init=False)
+    events: Tail = field(init=False)
+
+    def __post_init__(self) -> None:
+        d = self.run.run_dir
+        self.log, self.metrics, self.events = (
+            Tail(f"{d}/job.log"),
+            Tail(f"{d}/metrics.jsonl"),
+            Tail(f"{d}/{EVENTS_FILE}"),
+        )
+
+    def poll(self, node: Node) -> Update:
+        status = job.read_status(self.run, node)  # first: once it is terminal, the reads below are complete
+        return Update(status, self.log.read(node), _records(self.metrics.read(node)), _records(self.events.read(node)))
+
+
+def watch(
+    run: state.RunRecord,
+    sink: Sink,
+    *,
+    until_end: bool = True,
+    poll_s: float = 0.5,
+    reconnect_s: float = 300,
+    node_for: Callable[[state.RunRecord], Node] = job.node_of,
+) -> WatchState:
+    """Feed the sink every change of the run from its start; with until_end, until the run ends.
+
+    A dropped connection is retried until reconnect_s passes without a successful read (the
+    offsets are kept, so nothing is shown twice).
+    """
+    feed, st = Feed(run), WatchState(RunInfo.of(run))
+    node: Node | None = None
+    last_ok = time.monotonic()
+    try:
+        while True:
+            interrupt.check()  # a Ctrl-C that a finalizer swallowed (core/interrupt.py) still detaches
+            try:
+                node = node or node_for(run)
+                update = feed.poll(node)
+                last_ok = time.monotonic()
+            except RemoteError as exc:
+                if node is not None:
+                    node.close()
+                node = None
+                if time.monotonic() - last_ok > reconnect_s:
+                    raise GpuctlError(
+                        f"lost the connection to run {run.run_id}: {exc.message}",
+                        "check the node, then `gpuctl logs -f` to reattach",
+                    ) from None
+                time.sleep(2)
+                continue
+            st.apply(update)
+            sink.update(st, update)
+            if not until_end or st.ended:
+                return st
+            time.sleep(poll_s)
+    finally:
+        if node is not None:
+            node.close()
