@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from provision.cli.options import ClusterOpt, ConfigOpt, JsonOpt, RunArg, cluster_name, load, say
+from provision.cli.options import ClusterOpt, ConfigOpt, JsonOpt, RunArg, cluster_name, load, load_if_present, say
 
 if TYPE_CHECKING:
     from provision.core.config import GpuctlConfig
@@ -17,13 +17,14 @@ if TYPE_CHECKING:
 app = typer.Typer()
 
 
-def follow_to_end(run: RunRecord) -> int:
-    """Stream the run's log until it ends; its exit code, or 130 when Ctrl-C detached."""
+def follow_to_end(run: RunRecord, cfg: GpuctlConfig | None = None) -> int:
+    """Stream the run's log until it ends; its exit code, or 130 when Ctrl-C detached.
+    With the config, a lost cloud node is replaced per its `recovery:` (flows/recover.py)."""
     from provision.core import interrupt
-    from provision.flows import job
+    from provision.flows import job, recover
 
     try:
-        status = job.follow(run, typer.echo)
+        status = job.follow(run, typer.echo) if cfg is None else recover.follow(cfg, run, typer.echo, say)
     except KeyboardInterrupt:
         interrupt.answered()  # the detach answers it
         say(f"\ndetached; run {run.run_id} goes on. `gpuctl logs -f` reattaches, `gpuctl cancel` stops it")
@@ -63,7 +64,7 @@ def train(
     if detach:
         typer.echo(run.run_id)
         return
-    raise typer.Exit(follow_to_end(run))
+    raise typer.Exit(follow_to_end(run, cfg))
 
 
 def _print_dry_run(cfg: GpuctlConfig, resume: Optional[str]) -> None:
@@ -122,6 +123,11 @@ def status(
             "A node that deleted itself is forgotten by `gpuctl down`"
         )
         result = None
+        if run is not None and run.state == "running":  # the laptop was away: was the node lost?
+            from provision.flows import recover
+
+            run = recover.on_status(run, load_if_present(config), say) or run
+            record = state.find_cluster(name) if name else None
     info = {
         "cluster": state.dump(record) if record else None,
         "run": result.to_json() if result else (state.dump(run) if run else None),
@@ -146,7 +152,7 @@ def logs(
 
     run = state.load_run(run_id, None if run_id else cluster_name(config, None))
     if follow:
-        raise typer.Exit(follow_to_end(run))
+        raise typer.Exit(follow_to_end(run, load_if_present(config)))
     job.follow(run, typer.echo, until_end=False)
 
 

@@ -39,6 +39,7 @@ class NodeRecord(BaseModel):
     accelerator: str = "cpu"  # cpu | cuda
     gpu_name: str | None = None
     instance_id: str | None = None
+    host_id: str | None = None  # the vendor's machine behind the instance (recovery avoids a lost one)
     workdir: str = ""  # the node-side root for run dirs
 
 
@@ -57,6 +58,9 @@ class ClusterRecord(BaseModel):
     api_url: str | None = None
     region: str | None = None
     budget_hours: float | None = None  # the node tears itself down this long after created_at
+    # Earlier clusters of a recovered run (flows/recover.py): the budget cap counts across them.
+    spent_hours: float = 0.0
+    spent_cost: float = 0.0
 
     @property
     def world_size(self) -> int:
@@ -78,6 +82,9 @@ class RunRecord(BaseModel):
     state: str = "starting"
     exit_code: int | None = None
     pgid: int | None = None
+    # One entry per new node after a lost one (flows/recover.py): at, reason, old/new instance,
+    # resumed_from (tag), step, cost_so_far.
+    restarts: list[dict[str, Any]] = Field(default_factory=list)
 
 
 def state_dir() -> Path:
