@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -119,7 +120,17 @@ def test_restarts_stop_at_max_restarts(project, fake, tmp_path):
     configure(project, fake, tmp_path, {"max_restarts": 1})
     cfg, record = up(project)
     run = running_run(record)
-    state.update_run(run.run_id, restarts=[{"reason": "earlier", "old_host": "51003"}])
+    earlier = state.RestartEvent(
+        at=0,
+        reason="earlier",
+        old_instance="7000000",
+        old_host="51003",
+        new_instance="7000001",
+        resumed_from=None,
+        step=0,
+        cost_so_far=0.5,
+    )
+    state.update_run(run.run_id, restarts=[earlier])
     fake.preempt(7000001)
     with pytest.raises(GpuctlError) as err:
         recover.recover(cfg, run, "instance 7000001 was preempted", print)
@@ -171,31 +182,44 @@ def _group_alive(pgid: int) -> bool:
 
 
 def _steps(path: Path) -> dict[int, float]:
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
-    return {r["step"]: r["loss"] for r in rows}
+    """step -> loss of metrics.jsonl's whole lines (the last one may be half written)."""
+    losses = {}
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        if line.endswith("}"):
+            row = json.loads(line)
+            losses[row["step"]] = row["loss"]
+    return losses
+
+
+def _freeze_past_a_checkpoint(run_dir: Path, store: Path) -> tuple[dict[int, float], int]:
+    """Stop the run's processes (SIGSTOP) at a moment when it has run steps past the store's newest
+    complete checkpoint; (the losses so far, that checkpoint's step). Nothing moves until the kill."""
+    pgid = json.loads((run_dir / "status.json").read_text())["pgid"]
+    for _ in range(600):
+        os.killpg(pgid, signal.SIGSTOP)
+        latest = (store / "latest").read_text().strip() if (store / "latest").is_file() else ""
+        before = _steps(run_dir / "metrics.jsonl")
+        if latest and max(before, default=0) > int(latest.removeprefix("step")):
+            return before, int(latest.removeprefix("step"))
+        os.killpg(pgid, signal.SIGCONT)
+        time.sleep(0.5)
+    raise AssertionError("the run never got past a stored checkpoint")
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)  # two DeepSpeed starts; on a loaded 2-core machine each can take minutes
 def test_e2e_preempted_mid_run_resumes_on_the_other_offer(project, gpuctl, fake, tmp_path):
-    configure(project, fake, tmp_path, {"max_restarts": 1}, max_steps=24, checkpoint_every=4)
+    configure(project, fake, tmp_path, {"max_restarts": 1}, max_steps=9, checkpoint_every=3)
     assert gpuctl("up", "--yes").returncode == 0
     proc = subprocess.Popen([*GPUCTL, "train"], cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         runs = tmp_path / "node" / "runs"
         wait_until(lambda: runs.is_dir() and any(runs.iterdir()), 120, "the run to start")
         run_dir = next(runs.iterdir())
-        # after the checkpoint at step 8 is stored, two steps into the next interval
-        store = project / "gpuctl-storage"
-        wait_until(
-            lambda: (store / "latest").is_file() and max(_steps(run_dir / "metrics.jsonl"), default=0) >= 10,
-            300,
-            "step 10 with a stored checkpoint",
-            every=0.1,
-        )
-        before = _steps(run_dir / "metrics.jsonl")  # the uninterrupted run, as far as it got
+        wait_until(lambda: max(_steps(run_dir / "metrics.jsonl"), default=0) >= 4, 600, "step 4", every=0.2)
+        before, stored = _freeze_past_a_checkpoint(run_dir, project / "gpuctl-storage")  # the uninterrupted run
         _kill_the_machine(fake, tmp_path, run_dir)
-        out, err = proc.communicate(timeout=420)
+        out, err = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -207,11 +231,11 @@ def test_e2e_preempted_mid_run_resumes_on_the_other_offer(project, gpuctl, fake,
     run = state.list_runs("vast-rec")[-1]
     assert run.state == "succeeded" and run.run_dir.endswith(run_dir.name)  # same run id
     (event,) = run.restarts
-    resumed = event["step"]
-    assert event["reason"].startswith("vast instance 7000001") and event["old_instance"] == "7000001"
-    assert event["resumed_from"] == "latest" and resumed in (8, 12) and event["cost_so_far"] > 0
+    resumed = event.step
+    assert event.reason.startswith("vast instance 7000001") and event.old_instance == "7000001"
+    assert event.resumed_from == "latest" and resumed == stored and event.cost_so_far > 0
     after = _steps(run_dir / "metrics.jsonl")  # the new node's run dir: the same path on this stand-in
-    assert sorted(after) == list(range(1, 25))  # metrics.jsonl continues, each step once
+    assert sorted(after) == list(range(1, 10))  # metrics.jsonl continues, each step once
     overlap = [s for s in before if s > resumed]
     assert overlap, (resumed, before)
     for step in overlap:  # the resumed steps match the uninterrupted run from that checkpoint
@@ -219,3 +243,23 @@ def test_e2e_preempted_mid_run_resumes_on_the_other_offer(project, gpuctl, fake,
     shown = gpuctl("status")
     assert "restart 1," in shown.stdout and "preempted" in shown.stdout, shown.stdout
     assert gpuctl("down", "--yes").returncode == 0 and not fake.instances
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_e2e_no_restarts_the_run_is_lost_and_everything_terminated(project, gpuctl, fake, tmp_path):
+    """max_restarts 0, and the laptop away when it happens: `logs -f` finds the lost node."""
+    configure(project, fake, tmp_path, {"max_restarts": 0}, max_steps=200, checkpoint_every=0)
+    assert gpuctl("up", "--yes").returncode == 0
+    started = gpuctl("train", "--detach")
+    assert started.returncode == 0, started.stderr
+    run_dir = tmp_path / "node" / "runs" / started.stdout.strip()
+    wait_until(lambda: max(_steps(run_dir / "metrics.jsonl"), default=0) >= 1, 300, "the first step", every=0.2)
+    _kill_the_machine(fake, tmp_path, run_dir)
+    follow = gpuctl("logs", "-f", timeout=300)
+    assert follow.returncode == 1, follow.stdout[-2000:] + follow.stderr[-2000:]
+    errors = [x for x in follow.stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and f"run {run_dir.name} lost: vast instance 7000001 was preempted" in errors[0]
+    assert "0 of 0 restart(s) used" in errors[0] and "gpuctl up --yes && gpuctl train --resume" in errors[0]
+    assert not fake.instances and fake.deleted == [7000001] and len(fake.created_bodies) == 1
+    assert state.find_cluster("vast-rec") is None and state.load_run(run_dir.name).state == "lost"

@@ -67,6 +67,19 @@ class ClusterRecord(BaseModel):
         return sum(n.slots for n in self.nodes)
 
 
+class RestartEvent(BaseModel):
+    """A run that lost a node and went on on a new one (flows/recover.py)."""
+
+    at: float
+    reason: str  # what the vendor said (preempted, gone) or how long the node was unreachable
+    old_instance: str  # instance ids, comma-separated on a multi-node cluster
+    old_host: str = ""  # the vendor's machine(s) behind them, not rented again for this run
+    new_instance: str
+    resumed_from: str | None  # "latest" (the store's newest complete checkpoint), None: from the start
+    step: int  # the step of that checkpoint
+    cost_so_far: float  # $ of every cluster of the run until the loss
+
+
 class RunRecord(BaseModel):
     run_id: str
     cluster: str
@@ -82,9 +95,7 @@ class RunRecord(BaseModel):
     state: str = "starting"
     exit_code: int | None = None
     pgid: int | None = None
-    # One entry per new node after a lost one (flows/recover.py): at, reason, old/new instance,
-    # resumed_from (tag), step, cost_so_far.
-    restarts: list[dict[str, Any]] = Field(default_factory=list)
+    restarts: list[RestartEvent] = Field(default_factory=list)  # one per lost node, oldest first
 
 
 def state_dir() -> Path:

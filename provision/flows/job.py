@@ -228,7 +228,7 @@ class RunStatus:
             "tokens_per_s": self.summary.get("tokens_per_s", self.last_metrics.get("tokens_per_s")),
             "started_at": self.status.get("started_at"),
             "ended_at": self.status.get("ended_at"),
-            "restarts": self.record.restarts,
+            "restarts": [event.model_dump() for event in self.record.restarts],
         }
 
 

@@ -166,9 +166,8 @@ def recover(cfg: GpuctlConfig, run: state.RunRecord, reason: str, say: Callable[
     assert isinstance(prov, CloudProvider)  # recovery follows cloud clusters only
     if (prov.max_hours and hours >= prov.max_hours) or (prov.max_cost and cost >= prov.max_cost):
         give_up(cfg, run, reason, f"the budget cap is spent ({hours:.2f} h, ${cost:.2f})", say)
-    lost_hosts = {n.host_id for n in old.nodes if n.host_id} | {
-        e["old_host"] for e in run.restarts if e.get("old_host")
-    }
+    lost_hosts = {n.host_id for n in old.nodes if n.host_id}
+    lost_hosts |= {host for e in run.restarts for host in e.old_host.split(",") if host}
     old_ids = ",".join(n.instance_id or "?" for n in old.nodes)
     say(f"restart {len(run.restarts) + 1} of {allowed}: terminating {old_ids}, renting another node")
     cluster_flow.down(old.name, say)
@@ -188,17 +187,17 @@ def recover(cfg: GpuctlConfig, run: state.RunRecord, reason: str, say: Callable[
     tag, step = _newest_checkpoint(cfg, say)
     seed = _metrics_upto(run, step)
     started = job.start_run(cfg, new, resume=tag, say=say, run_id=run.run_id, seed_files={"metrics.jsonl": seed})
-    event = {
-        "at": time.time(),
-        "reason": reason,
-        "old_instance": old_ids,
-        "old_host": ",".join(sorted(n.host_id for n in old.nodes if n.host_id)),
-        "new_instance": ",".join(n.instance_id or "?" for n in new.nodes),
-        "resumed_from": tag,
-        "step": step,
-        "cost_so_far": round(cost, 4),
-    }
-    say(f"run {run.run_id} resumed on {event['new_instance']} from {tag or 'the start'} (step {step})")
+    event = state.RestartEvent(
+        at=time.time(),
+        reason=reason,
+        old_instance=old_ids,
+        old_host=",".join(sorted(n.host_id for n in old.nodes if n.host_id)),
+        new_instance=",".join(n.instance_id or "?" for n in new.nodes),
+        resumed_from=tag,
+        step=step,
+        cost_so_far=round(cost, 4),
+    )
+    say(f"run {run.run_id} resumed on {event.new_instance} from {tag or 'the start'} (step {step})")
     return state.update_run(started.run_id, restarts=[*run.restarts, event], created_at=run.created_at)
 
 
