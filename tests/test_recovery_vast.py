@@ -141,6 +141,20 @@ def test_restarts_stop_at_max_restarts(project, fake, tmp_path):
     assert state.load_run(run.run_id).state == "lost" and len(fake.created_bodies) == 1
 
 
+def test_the_lost_host_is_not_rented_again(project, fake, tmp_path):
+    configure(project, fake, tmp_path, {"max_restarts": 2})
+    cfg, record = up(project)
+    run = running_run(record)
+    fake.offers = [o for o in fake.offers if o["id"] != 1003]  # the lost machine's offer is all that is left
+    fake.preempt(7000001)
+    with pytest.raises(GpuctlError) as err:
+        recover.recover(cfg, run, "instance 7000001 was preempted", print)
+    assert "recovery failed: no vast offer matches" in err.value.one_line()
+    assert "gpuctl train --resume" in err.value.one_line()
+    assert not fake.instances and len(fake.created_bodies) == 1  # 1001 is rentable again, but not to this run
+    assert state.load_run(run.run_id).state == "lost" and state.find_cluster("vast-rec") is None
+
+
 def test_restarts_stop_at_the_budget_cap(project, fake, tmp_path):
     configure(project, fake, tmp_path, {"max_restarts": 5}, provider={"max_cost": 2.0})
     cfg, record = up(project, spent_cost=1.99, spent_hours=1.9)  # earlier clusters of the run

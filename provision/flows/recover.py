@@ -21,10 +21,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
-from provision.core import state
+from provision.core import interrupt, state
 from provision.core.config import CloudProvider, GpuctlConfig
-from provision.core.errors import GpuctlError, NoOfferError, ProviderError, RemoteError
+from provision.core.errors import GpuctlError, ProviderError, RemoteError
 from provision.flows import job
 from provision.providers import backend
 from provision.providers.base import UpOptions
@@ -141,16 +142,6 @@ def resume_hint() -> str:
     return "`gpuctl up --yes && gpuctl train --resume` resumes it from the newest complete checkpoint"
 
 
-def give_up(cfg: GpuctlConfig, run: state.RunRecord, reason: str, why: str, say: Callable[[str], None]) -> None:
-    """Mark the run lost, terminate every node of its cluster, and stop with the resume command."""
-    from provision.flows import cluster as cluster_flow
-
-    state.update_run(run.run_id, state="lost")
-    if state.find_cluster(run.cluster) is not None:
-        cluster_flow.down(run.cluster, say)
-    raise GpuctlError(f"run {run.run_id} lost: {reason}; {why}", resume_hint())
-
-
 def recover(cfg: GpuctlConfig, run: state.RunRecord, reason: str, say: Callable[[str], None]) -> state.RunRecord:
     """Replace the lost cluster and start the run again from its newest complete checkpoint."""
     from provision.flows import cluster as cluster_flow
@@ -160,12 +151,12 @@ def recover(cfg: GpuctlConfig, run: state.RunRecord, reason: str, say: Callable[
     say(f"node lost: {reason}")
     allowed = restarts_allowed(cfg)
     if len(run.restarts) >= allowed:
-        give_up(cfg, run, reason, f"{len(run.restarts)} of {allowed} restart(s) used (recovery.max_restarts)", say)
+        give_up(run, f"{reason}; {len(run.restarts)} of {allowed} restart(s) used (recovery.max_restarts)", say)
     hours, cost = _spent(old)
     prov = cfg.provider
     assert isinstance(prov, CloudProvider)  # recovery follows cloud clusters only
     if (prov.max_hours and hours >= prov.max_hours) or (prov.max_cost and cost >= prov.max_cost):
-        give_up(cfg, run, reason, f"the budget cap is spent ({hours:.2f} h, ${cost:.2f})", say)
+        give_up(run, f"{reason}; the budget cap is spent ({hours:.2f} h, ${cost:.2f})", say)
     lost_hosts = {n.host_id for n in old.nodes if n.host_id}
     lost_hosts |= {host for e in run.restarts for host in e.old_host.split(",") if host}
     old_ids = ",".join(n.instance_id or "?" for n in old.nodes)
@@ -179,14 +170,16 @@ def recover(cfg: GpuctlConfig, run: state.RunRecord, reason: str, say: Callable[
         spent_cost=cost,
     )
     try:
-        new = cluster_flow.up(cfg, opts)
-    except (NoOfferError, ProviderError) as exc:
-        state.update_run(run.run_id, state="lost")
-        raise GpuctlError(f"run {run.run_id} lost: {reason}; no new node: {exc.message}", resume_hint()) from None
-    assert new is not None  # not a dry run
-    tag, step = _newest_checkpoint(cfg, say)
-    seed = _metrics_upto(run, step)
-    started = job.start_run(cfg, new, resume=tag, say=say, run_id=run.run_id, seed_files={"metrics.jsonl": seed})
+        new = cluster_flow.up(cfg, opts)  # a failed or interrupted up leaves nothing rented
+        assert new is not None  # not a dry run
+        tag, step = _newest_checkpoint(cfg, say)
+        seed = _metrics_upto(run, step)
+        started = job.start_run(cfg, new, resume=tag, say=say, run_id=run.run_id, seed_files={"metrics.jsonl": seed})
+    except KeyboardInterrupt:
+        interrupt.answered()  # answered here: a run that is not going must not read as "detached"
+        give_up(run, f"{reason}; recovery interrupted", say)
+    except GpuctlError as exc:  # no offer left, a node that did not boot, the store unreachable
+        give_up(run, f"{reason}; recovery failed: {exc.message}", say)
     event = state.RestartEvent(
         at=time.time(),
         reason=reason,
@@ -199,6 +192,17 @@ def recover(cfg: GpuctlConfig, run: state.RunRecord, reason: str, say: Callable[
     )
     say(f"run {run.run_id} resumed on {event.new_instance} from {tag or 'the start'} (step {step})")
     return state.update_run(started.run_id, restarts=[*run.restarts, event], created_at=run.created_at)
+
+
+def give_up(run: state.RunRecord, what: str, say: Callable[[str], None]) -> NoReturn:
+    """No new node for the run (no restart left, budget spent, recovery failed): the run is lost,
+    nothing stays rented for it, and one line names the command that resumes it."""
+    from provision.flows import cluster as cluster_flow
+
+    state.update_run(run.run_id, state="lost")
+    if state.find_cluster(run.cluster) is not None:
+        cluster_flow.down(run.cluster, say)
+    raise GpuctlError(f"run {run.run_id} lost: {what}", resume_hint())
 
 
 def _newest_checkpoint(cfg: GpuctlConfig, say: Callable[[str], None]) -> tuple[str | None, int]:
