@@ -175,6 +175,7 @@ def test_status_after_the_laptop_was_away_names_the_resume_command(project, gpuc
     assert shown.returncode == 0, shown.stderr
     assert f"run {run.run_id} lost: vast instance 7000001 was preempted or stopped" in shown.stderr
     assert "gpuctl down --yes && gpuctl up --yes && gpuctl train --resume" in shown.stderr
+    assert gpuctl("down", "--yes").returncode == 0 and not fake.instances
     assert state.load_run(run.run_id).state == "lost"
 
 
@@ -277,3 +278,16 @@ def test_e2e_no_restarts_the_run_is_lost_and_everything_terminated(project, gpuc
     assert "0 of 0 restart(s) used" in errors[0] and "gpuctl up --yes && gpuctl train --resume" in errors[0]
     assert not fake.instances and fake.deleted == [7000001] and len(fake.created_bodies) == 1
     assert state.find_cluster("vast-rec") is None and state.load_run(run_dir.name).state == "lost"
+
+
+def test_a_node_that_may_have_deleted_itself_is_not_recovered(project, fake, tmp_path):
+    configure(project, fake, tmp_path, {"max_restarts": 3})
+    cfg, record = up(project)
+    run = running_run(record)
+    fake.instances.clear()  # gone: with teardown after-train that is the node's own doing after the run
+    said: list[str] = []
+    assert recover.on_status(run, cfg.model_copy(update={"teardown": "after-train"}), said.append) is None
+    assert not said and len(fake.created_bodies) == 1
+    state.save_cluster(record.model_copy(update={"budget_hours": 0.001, "created_at": record.created_at - 3600}))
+    watch = recover.LossWatch(run, state.load_cluster(record.name), cfg.recovery.lost_after)
+    watch.unreachable(1, RemoteError("refused", "retry"))  # past its cap: the guard deleted it

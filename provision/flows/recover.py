@@ -32,8 +32,6 @@ from provision.providers.base import UpOptions
 from provision.providers.cloud import CloudBackend
 from provision.transport.remote import Node
 
-METRICS_COPY_S = 5.0  # how often the follow copies the node's new metrics.jsonl lines
-
 
 class NodeLost(Exception):
     def __init__(self, reason: str):
@@ -46,23 +44,39 @@ def cloud_of(cluster: state.ClusterRecord) -> CloudBackend | None:
     return provider if isinstance(provider, CloudBackend) else None
 
 
-def vendor_trouble(cluster: state.ClusterRecord) -> tuple[str | None, bool]:
-    """(what the vendor says is wrong with a node, or None; whether the vendor answered at all)."""
+@dataclass
+class Verdict:
+    """What the vendor says about a cluster's instances."""
+
+    reason: str | None = None  # what is wrong with a node; None: nothing
+    answered: bool = False  # False: the vendor could not be asked (the laptop is offline?)
+    gone: bool = False  # an instance is no longer listed (which a node that ends itself also causes)
+
+
+def vendor_trouble(cluster: state.ClusterRecord) -> Verdict:
     provider = cloud_of(cluster)
     if provider is None:
-        return None, False
+        return Verdict()
     for node in cluster.nodes:
         if not node.instance_id:
             continue
         try:
             inst = provider.describe(cluster, node.instance_id)
         except (ProviderError, RemoteError, OSError):
-            return None, False  # the laptop cannot reach the vendor either: nothing to conclude
+            return Verdict()  # the laptop cannot reach the vendor either: nothing to conclude
         if inst is None:
-            return f"{cluster.provider} instance {node.instance_id} is gone (no longer listed)", True
+            return Verdict(f"{cluster.provider} instance {node.instance_id} is gone (no longer listed)", True, True)
         if inst.failed:
-            return f"{cluster.provider} instance {node.instance_id} was preempted or stopped ({inst.state})", True
-    return None, True
+            return Verdict(
+                f"{cluster.provider} instance {node.instance_id} was preempted or stopped ({inst.state})", True
+            )
+    return Verdict(answered=True)
+
+
+def at_cap(cluster: state.ClusterRecord) -> bool:
+    """The cluster's budget cap has come: its guard deletes the nodes then (flows/guard.py)."""
+    cap = cluster.budget_hours
+    return cap is not None and time.time() >= cluster.created_at + cap * 3600 - 60
 
 
 def metrics_copy(run: state.RunRecord) -> Path:
@@ -77,16 +91,14 @@ class LossWatch:
     cluster: state.ClusterRecord
     lost_after: float
     offset: int = 0
-    copied_at: float = 0.0
 
     def __post_init__(self) -> None:
         copy = metrics_copy(self.run)
         self.offset = copy.stat().st_size if copy.is_file() else 0
 
     def seen(self, node: Node) -> None:
-        if time.monotonic() - self.copied_at < METRICS_COPY_S:
-            return
-        self.copied_at = time.monotonic()
+        # At every poll: a step's line is written well before its checkpoint is complete in the
+        # store, so the copy holds every step up to the one a new node resumes from.
         chunk, self.offset = node.read_new(f"{self.run.run_dir}/metrics.jsonl", self.offset)
         if chunk:
             copy = metrics_copy(self.run)
@@ -95,10 +107,10 @@ class LossWatch:
                 handle.write(chunk)
 
     def unreachable(self, seconds: float, error: RemoteError) -> None:
-        reason, answered = vendor_trouble(self.cluster)
-        if reason:
-            raise NodeLost(reason)
-        if answered and seconds > self.lost_after:
+        verdict = vendor_trouble(self.cluster)
+        if verdict.reason and not (verdict.gone and at_cap(self.cluster)):  # the guard deleted it at the cap
+            raise NodeLost(verdict.reason)
+        if verdict.answered and seconds > self.lost_after:
             raise NodeLost(
                 f"unreachable for {seconds:.0f}s ({error.message}) while {self.cluster.provider} says it runs"
             )
@@ -120,7 +132,7 @@ def follow(
         else:
             if status.state != "lost":
                 return status
-            found, _answered = vendor_trouble(cluster)  # the run died: with its node, or alone?
+            found = vendor_trouble(cluster).reason  # the run died: with its node, or alone?
             if found is None:
                 return status
             reason = found
@@ -238,15 +250,17 @@ def on_status(run: state.RunRecord, cfg: GpuctlConfig | None, say: Callable[[str
     cluster = state.find_cluster(run.cluster)
     if cluster is None:
         return None
-    reason, _answered = vendor_trouble(cluster)
-    if reason is None:
+    verdict = vendor_trouble(cluster)
+    if verdict.reason is None:
         return None
+    if verdict.gone and (at_cap(cluster) or (cfg is not None and cfg.teardown == "after-train")):
+        return None  # it may have deleted itself (after the run, at the cap): not a loss to recover
     if cfg is not None and cfg.cluster_name == run.cluster and restarts_allowed(cfg) > len(run.restarts):
-        recovered = recover(cfg, run, reason, say)
+        recovered = recover(cfg, run, verdict.reason, say)
         say(f"`gpuctl logs -f` follows run {run.run_id} on its new node")
         return recovered
     say(
-        f"run {run.run_id} lost: {reason}. `gpuctl down --yes && gpuctl up --yes && gpuctl train --resume` "
-        "resumes it from the newest complete checkpoint"
+        f"run {run.run_id} lost: {verdict.reason}. `gpuctl down --yes && gpuctl up --yes && gpuctl train "
+        "--resume` resumes it from the newest complete checkpoint"
     )
-    return state.update_run(run.run_id, state="lost")
+    return None  # the run stays recorded as running: `down` ends what is left of it
