@@ -150,7 +150,7 @@ def run_all(config: ConfigOpt = None, yes: YesOpt = False) -> None:
     code = 1
     try:
         run = job.start_run(cfg, record, say=say)
-        code = follow_to_end(run)
+        code = follow_to_end(run, cfg)
     except KeyboardInterrupt:  # before the run was followed: the `down` below answers it
         interrupt.answered()  # (a further Ctrl-C stops that `down`; the cluster stays recorded)
         say(f"interrupted before the run was followed: taking cluster {cfg.cluster_name} down")

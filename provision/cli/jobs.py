@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from provision.cli.options import ClusterOpt, ConfigOpt, JsonOpt, RunArg, cluster_name, load, say
+from provision.cli.options import ClusterOpt, ConfigOpt, JsonOpt, RunArg, cluster_name, load, load_if_present, say
 
 if TYPE_CHECKING:
     from provision.core.config import GpuctlConfig
@@ -18,14 +18,20 @@ app = typer.Typer()
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="show job.log verbatim (DeepSpeed's INFO lines too)")]
 
 
-def follow_to_end(run: RunRecord, *, verbose: bool = False, as_json: bool = False) -> int:
-    """Show the run until it ends (cli/runview.py picks the view); its exit code, or 130 when Ctrl-C detached."""
+def follow_to_end(
+    run: RunRecord, cfg: GpuctlConfig | None = None, *, verbose: bool = False, as_json: bool = False
+) -> int:
+    """Show the run until it ends (cli/runview.py picks the view); its exit code, or 130 when Ctrl-C detached.
+    With the config, a lost cloud node is replaced per its `recovery:` (flows/recover.py)."""
     from provision.cli.runview import show_run
     from provision.core import interrupt
-    from provision.flows import job
+    from provision.flows import job, recover
+
+    def view(run: RunRecord, hook: job.FollowWatch | None = None, reconnect_s: float = 300) -> job.RunStatus:
+        return show_run(run, verbose=verbose, as_json=as_json, hook=hook, reconnect_s=reconnect_s)
 
     try:
-        status = show_run(run, verbose=verbose, as_json=as_json)
+        status = view(run) if cfg is None else recover.follow(cfg, run, view, say)
     except KeyboardInterrupt:
         interrupt.answered()  # the detach answers it
         say(f"\ndetached; run {run.run_id} goes on. `gpuctl logs -f` reattaches, `gpuctl cancel` stops it")
@@ -72,7 +78,7 @@ def train(
     if detach:
         typer.echo(run.run_id)
         return
-    raise typer.Exit(follow_to_end(run, verbose=verbose, as_json=as_json))
+    raise typer.Exit(follow_to_end(run, cfg, verbose=verbose, as_json=as_json))
 
 
 def _print_dry_run(cfg: GpuctlConfig, resume: Optional[str]) -> None:
@@ -131,6 +137,11 @@ def status(
             "A node that deleted itself is forgotten by `gpuctl down`"
         )
         result = None
+        if run is not None and run.state == "running":  # the laptop was away: was the node lost?
+            from provision.flows import recover
+
+            run = recover.on_status(run, load_if_present(config), say) or run
+            record = state.find_cluster(name) if name else None
     info = {
         "cluster": state.dump(record) if record else None,
         "run": result.to_json() if result else (state.dump(run) if run else None),
@@ -156,7 +167,7 @@ def logs(
 
     run = state.load_run(run_id, None if run_id else cluster_name(config, None))
     if follow:
-        raise typer.Exit(follow_to_end(run, verbose=verbose))
+        raise typer.Exit(follow_to_end(run, load_if_present(config), verbose=verbose))
     job.follow(run, typer.echo, until_end=False)
 
 

@@ -145,20 +145,28 @@ class JsonSink:
         sys.stdout.flush()
 
 
-def show_run(run: state.RunRecord, *, verbose: bool = False, as_json: bool = False) -> job.RunStatus:
-    """Follow the run to its end in the mode that fits stdout; its final status."""
+def show_run(
+    run: state.RunRecord,
+    *,
+    verbose: bool = False,
+    as_json: bool = False,
+    hook: job.FollowWatch | None = None,
+    reconnect_s: float = 300,
+) -> job.RunStatus:
+    """Follow the run to its end in the mode that fits stdout; its final status. `hook` sees each
+    read of the node and each failed one (flows/recover.py: is the node lost?)."""
     if verbose:  # everything, verbatim: DeepSpeed's launcher and engine lines, compile output, every rank
-        status = job.follow(run, typer.echo)
+        status = job.follow(run, typer.echo, watch=hook, reconnect_s=reconnect_s)
         typer.echo(f"run {run.run_id} {status.state}", err=True)
         return status
     if as_json:
-        final = watch(run, JsonSink())
+        final = watch(run, JsonSink(), hook=hook, reconnect_s=reconnect_s)
     elif sys.stdout.isatty():
         from provision.cli.live import LiveSink
 
         with LiveSink(time.time()) as sink:
-            final = watch(run, sink, poll_s=0.5)
+            final = watch(run, sink, poll_s=0.5, hook=hook, reconnect_s=reconnect_s)
     else:
-        final = watch(run, PlainSink())
+        final = watch(run, PlainSink(), hook=hook, reconnect_s=reconnect_s)
     assert final.status is not None  # watch returns after at least one poll
     return final.status

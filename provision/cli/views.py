@@ -53,8 +53,9 @@ def print_status(info: dict[str, Any]) -> None:
         console.print(table)
         if cluster.get("price_per_hour"):
             hours = (time.time() - cluster["created_at"]) / 3600
+            spent = cluster.get("spent_cost") or 0.0  # earlier clusters of a recovered run
             console.print(
-                f"cost so far: ${cluster['price_per_hour'] * hours:.2f} at ${cluster['price_per_hour']:.3f}/h"
+                f"cost so far: ${cluster['price_per_hour'] * hours + spent:.2f} at ${cluster['price_per_hour']:.3f}/h"
             )
         from provision.cli.doctor_view import print_summary
 
@@ -77,6 +78,13 @@ def print_status(info: dict[str, Any]) -> None:
     )
     if isinstance(tps, (int, float)):
         console.print(f"tokens/s {tps:,.0f}  world size {run.get('world_size')}  batch {run.get('train_batch_size')}")
+    for i, event in enumerate(run.get("restarts") or [], 1):  # flows/recover.py: one per lost node
+        console.print(
+            f"restart {i}, {_ago(event.get('at'))} ago: {event.get('reason')}; instance {event.get('old_instance')} -> "
+            f"{event.get('new_instance')}, resumed from {event.get('resumed_from')} (step {event.get('step')}), "
+            f"cost so far ${event.get('cost_so_far', 0):.2f}",
+            highlight=False,
+        )
 
 
 def print_offers(offers: list[Offer], title: str) -> None:
@@ -93,7 +101,7 @@ def print_offers(offers: list[Offer], title: str) -> None:
         table.add_row(
             o.id,
             f"{o.num_gpus} x {o.gpu_name}",
-            f"{o.price_per_hour:.3f}",
+            f"{o.price_per_hour:.3f}" + (" bid" if o.spot else ""),  # interruptible: the bid gpuctl sends
             f"{o.ram_gb:.0f}" if o.ram_gb else "-",
             f"{o.disk_gb:.0f}" if o.disk_gb else "-",
             o.where or "-",

@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from provision.core.errors import ConfigError
+from provision.core.recovery import RecoveryConfig
 from provision.core.strategy import Strategy, check_strategy
 
 CONFIG_NAME = "gpuctl.yaml"
@@ -153,6 +154,8 @@ class VastProvider(CloudProvider):
     kind: Literal["vast"] = "vast"
     reliability: float = Field(default=0.98, ge=0, le=1)
     verified: bool = True
+    interruptible: bool = False  # bid offers (search type "bid", create with a `price`)
+    bid_per_gpu: float | None = Field(default=None, gt=0, le=1000, description="bid $/h per GPU; default the minimum")
 
 
 class RunPodProvider(CloudProvider):
@@ -277,6 +280,7 @@ class GpuctlConfig(Strict):
     storage: StorageConfig = Field(default_factory=StorageConfig)
     teardown: Literal["never", "after-train"] = "never"
     docker: DockerConfig = Field(default_factory=DockerConfig)
+    recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)  # a lost node: core/recovery.py
     env: dict[str, str] = Field(default_factory=dict, description="extra env for the ranks")
     secrets: list[str] = Field(
         default_factory=list,

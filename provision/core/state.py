@@ -41,6 +41,7 @@ class NodeRecord(BaseModel):
     accelerator: str = "cpu"  # cpu | cuda
     gpu_name: str | None = None
     instance_id: str | None = None
+    host_id: str | None = None  # the vendor's machine behind the instance (recovery avoids a lost one)
     workdir: str = ""  # the node-side root for run dirs
     ssh: SSHRoute | None = None  # ~/.ssh/config: jump hosts, keys, timeouts (ssh provider)
 
@@ -61,10 +62,26 @@ class ClusterRecord(BaseModel):
     region: str | None = None
     budget_hours: float | None = None  # the node tears itself down this long after created_at
     doctor: DoctorResult | None = None  # the last `gpuctl doctor` (or `up`'s quick checks)
+    # Earlier clusters of a recovered run (flows/recover.py): the budget cap counts across them.
+    spent_hours: float = 0.0
+    spent_cost: float = 0.0
 
     @property
     def world_size(self) -> int:
         return sum(n.slots for n in self.nodes)
+
+
+class RestartEvent(BaseModel):
+    """A run that lost a node and went on on a new one (flows/recover.py)."""
+
+    at: float
+    reason: str  # what the vendor said (preempted, gone) or how long the node was unreachable
+    old_instance: str  # instance ids, comma-separated on a multi-node cluster
+    old_host: str = ""  # the vendor's machine(s) behind them, not rented again for this run
+    new_instance: str
+    resumed_from: str | None  # "latest" (the store's newest complete checkpoint), None: from the start
+    step: int  # the step of that checkpoint
+    cost_so_far: float  # $ of every cluster of the run until the loss
 
 
 class RunRecord(BaseModel):
@@ -82,6 +99,7 @@ class RunRecord(BaseModel):
     state: str = "starting"
     exit_code: int | None = None
     pgid: int | None = None
+    restarts: list[RestartEvent] = Field(default_factory=list)  # one per lost node, oldest first
 
 
 def state_dir() -> Path:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from provision.core import interrupt, state
 from provision.core.config import GpuctlConfig, check_batch
@@ -95,12 +95,21 @@ def bundle_spec(
 
 
 def start_run(
-    cfg: GpuctlConfig, cluster: state.ClusterRecord, *, resume: str | None = None, say: Callable[[str], None] = print
+    cfg: GpuctlConfig,
+    cluster: state.ClusterRecord,
+    *,
+    resume: str | None = None,
+    say: Callable[[str], None] = print,
+    run_id: str | None = None,
+    seed_files: dict[str, str] | None = None,
 ) -> state.RunRecord:
-    """Render, ship to every node, start launch.sh detached on the first; record the run."""
+    """Render, ship to every node, start launch.sh detached on the first; record the run.
+
+    run_id and seed_files (run-dir files shipped with the bundle): a recovered run keeps its id
+    and its metrics.jsonl (flows/recover.py)."""
     batch = check_batch(cfg.train, cluster.world_size)
     check_resume(cfg, cluster, resume, say)
-    run_id = new_run_id()
+    run_id = run_id or new_run_id()
     credentials = storage_credentials(cfg.storage, cfg.train.data)
     if credentials.expires:
         say(
@@ -109,6 +118,8 @@ def start_run(
         )
     spec = bundle_spec(cfg, cluster, run_id, resume, credentials=credentials, secrets_env=user_secrets(cfg.secrets))
     bundle = render_bundle(cfg, spec, state.state_dir() / "runs" / run_id)
+    for name, text in (seed_files or {}).items():
+        atomic_write(bundle / name, text)
     nodes = backend(cluster.provider).nodes(cluster)
     try:
         if cluster.runtime == "docker":  # a no-op (an ID check) when `up` shipped it already
@@ -219,6 +230,7 @@ class RunStatus:
             "tokens_per_s": self.summary.get("tokens_per_s", self.last_metrics.get("tokens_per_s")),
             "started_at": self.status.get("started_at"),
             "ended_at": self.status.get("ended_at"),
+            "restarts": [event.model_dump() for event in self.record.restarts],
         }
 
 
@@ -259,8 +271,22 @@ def exit_code_of(status: RunStatus) -> int:
     return status.exit_code if status.exit_code not in (None, 0) else 1
 
 
+class FollowWatch(Protocol):
+    """What watches a followed run's node (flows/recover.py): `seen` after each good read,
+    `unreachable` while reads fail (it may raise to end the follow: the node is lost)."""
+
+    def seen(self, node: Node) -> None: ...
+
+    def unreachable(self, seconds: float, error: RemoteError) -> None: ...
+
+
 def follow(
-    run: state.RunRecord, out: Callable[[str], None], *, until_end: bool = True, reconnect_s: float = 300
+    run: state.RunRecord,
+    out: Callable[[str], None],
+    *,
+    until_end: bool = True,
+    reconnect_s: float = 300,
+    watch: FollowWatch | None = None,
 ) -> RunStatus:
     """Print job.log from the start; with until_end, keep tailing until the run ends.
 
@@ -276,10 +302,14 @@ def follow(
             status = read_status(run, node)  # first: once it is terminal, the log read next is complete
             chunk, next_offset = node.read_new(f"{run.run_dir}/job.log", offset)
             last_ok = time.monotonic()
+            if watch is not None:
+                watch.seen(node)
         except RemoteError as exc:
             if node is not None:
                 node.close()
             node = None
+            if watch is not None:
+                watch.unreachable(time.monotonic() - last_ok, exc)
             if time.monotonic() - last_ok > reconnect_s:
                 raise GpuctlError(
                     f"lost the connection to run {run.run_id}: {exc.message}",

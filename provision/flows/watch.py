@@ -201,6 +201,7 @@ def watch(
     poll_s: float = 0.5,
     reconnect_s: float = 300,
     node_for: Callable[[state.RunRecord], Node] = job.node_of,
+    hook: job.FollowWatch | None = None,
 ) -> WatchState:
     """Feed the sink every change of the run from its start; with until_end, until the run ends.
 
@@ -217,10 +218,14 @@ def watch(
                 node = node or node_for(run)
                 update = feed.poll(node)
                 last_ok = time.monotonic()
+                if hook is not None:
+                    hook.seen(node)
             except RemoteError as exc:
                 if node is not None:
                     node.close()
                 node = None
+                if hook is not None:
+                    hook.unreachable(time.monotonic() - last_ok, exc)
                 if time.monotonic() - last_ok > reconnect_s:
                     raise GpuctlError(
                         f"lost the connection to run {run.run_id}: {exc.message}",

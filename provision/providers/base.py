@@ -37,6 +37,11 @@ class UpOptions:
     confirm: Callable[[str], bool] = lambda _question: True
     say: Callable[[str], None] = print
     doctor: bool = True  # run the quick checks (flows/doctor.py) once the cluster is up
+    # A recovered run (flows/recover.py): hosts not to rent again, and what earlier clusters
+    # of the run spent, which the budget cap counts too.
+    exclude_hosts: set[str] = field(default_factory=set)
+    spent_hours: float = 0.0
+    spent_cost: float = 0.0
 
 
 @dataclass
@@ -59,7 +64,8 @@ class Offer:
     disk_gb: float | None = None
     where: str = ""
     reliability: float | None = None
-    spot: bool = False
+    spot: bool = False  # interruptible (RunPod spot, Vast bid): price_per_hour is the bid
+    host: str = ""  # the vendor's machine (Vast machine_id), to avoid a host that lost a node
 
 
 class OfferSource(Protocol):

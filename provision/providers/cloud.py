@@ -105,10 +105,13 @@ def node_last(cluster: ClusterRecord) -> list[str]:
     return ids[1:] + ids[:1]
 
 
-def budget_hours(prov: CloudProvider, price_per_hour: float) -> float | None:
-    caps = [prov.max_hours] if prov.max_hours else []
+def budget_hours(
+    prov: CloudProvider, price_per_hour: float, spent_hours: float = 0.0, spent_cost: float = 0.0
+) -> float | None:
+    """Hours this cluster may run; spent_*: earlier clusters of the same run (a recovered node)."""
+    caps = [prov.max_hours - spent_hours] if prov.max_hours else []
     if prov.max_cost and price_per_hour > 0:
-        caps.append(prov.max_cost / price_per_hour)
+        caps.append((prov.max_cost - spent_cost) / price_per_hour)
     return min(caps) if caps else None
 
 
@@ -165,7 +168,7 @@ class CloudBackend(ProviderBackend):
 
         prov = sized_provider(cfg)  # min_ram_gb / disk_gb from plan's node figures unless set
         opts.say(sizing_note(cfg, prov))  # the confirmation below shows what plan asked for and why
-        offers = self.find_offers(prov)
+        offers = [o for o in self.find_offers(prov) if not (o.host and o.host in opts.exclude_hosts)]
         if not offers:
             raise NoOfferError(
                 f"no {self.kind} offer matches {self.filters_text(prov)}",
@@ -174,7 +177,12 @@ class CloudBackend(ProviderBackend):
             )
         picks = self.picks(offers, prov.nodes)
         price = sum(o.price_per_hour for o in picks)
-        cap = budget_hours(prov, price)
+        cap = budget_hours(prov, price, opts.spent_hours, opts.spent_cost)
+        if cap is not None and cap <= 0:
+            raise GpuctlError(
+                f"the budget cap is spent ({opts.spent_hours:.2f} h, ${opts.spent_cost:.2f} so far)",
+                "raise provider.max_hours / max_cost",
+            )
         for i, offer in enumerate(picks):
             opts.say(f"{self.kind} node {i}: {describe_offer(offer)}")
         span = (f"{cap:.2f} h" if cap >= 1 else f"{cap * 60:.1f} min") if cap else ""
@@ -202,6 +210,8 @@ class CloudBackend(ProviderBackend):
             identity_file=str(mesh.key_dir(cfg.cluster_name) / "id_ed25519"),
             budget_hours=cap,
             region=getattr(prov, "region", None),
+            spent_hours=opts.spent_hours,
+            spent_cost=opts.spent_cost,
         )
         # Import the SSH stack before anything is rented: on a loaded machine paramiko takes
         # seconds to import, and a Ctrl-C during an import can be swallowed (importlib's
@@ -245,6 +255,7 @@ class CloudBackend(ProviderBackend):
                     slots=offer.num_gpus,
                     accelerator="cuda",
                     gpu_name=offer.gpu_name,
+                    host_id=offer.host or None,
                 )
             )
             state.save_cluster(record)  # `gpuctl down` finds it even if this process dies now
@@ -396,7 +407,7 @@ def describe_offer(offer: Offer) -> str:
         f"{offer.disk_gb:.0f} GB disk" if offer.disk_gb else "",
         offer.where,
         f"reliability {offer.reliability:.3f}" if offer.reliability is not None else "",
-        "spot" if offer.spot else "",
+        "interruptible (bid)" if offer.spot else "",
     ]
     details = ", ".join(e for e in extra if e)
     return f"offer {offer.id}: {offer.num_gpus} x {offer.gpu_name} at ${offer.price_per_hour:.3f}/h" + (

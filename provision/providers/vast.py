@@ -84,7 +84,7 @@ def search_query(prov: VastProvider) -> dict[str, Any]:
         "disk_space": {"gte": prov.disk_gb},
         "direct_port_count": {"gte": 1},  # ssh_direc needs one (the proxy is the fallback)
         "order": [["dph_total", "asc"]],
-        "type": "on-demand",
+        "type": "bid" if prov.interruptible else "on-demand",  # the client's offer_type "interruptible"
         "allocated_storage": prov.disk_gb,  # prices include this much storage
         "limit": SEARCH_LIMIT,
     }
@@ -95,8 +95,8 @@ def search_query(prov: VastProvider) -> dict[str, Any]:
     return query
 
 
-def create_body(prov: VastProvider, cluster: ClusterRecord, label: str) -> dict[str, Any]:
-    return {
+def create_body(prov: VastProvider, cluster: ClusterRecord, label: str, offer: Offer | None = None) -> dict[str, Any]:
+    body = {
         "client_id": "me",
         "image": prov.image,
         "disk": prov.disk_gb,
@@ -106,18 +106,30 @@ def create_body(prov: VastProvider, cluster: ClusterRecord, label: str) -> dict[
         "runtype": RUNTYPE,
         "cancel_unavail": True,
     }
+    if prov.interruptible and offer is not None:  # an interruptible instance: the bid, $/h for the machine
+        body["price"] = round(offer.price_per_hour, 4)
+    return body
 
 
-def _offer(raw: dict[str, Any]) -> Offer:
+def bid_of(prov: VastProvider, raw: dict[str, Any]) -> float:
+    """The bid for one bid offer ($/h per machine): bid_per_gpu x its GPUs, else the offer's minimum."""
+    if prov.bid_per_gpu:
+        return prov.bid_per_gpu * int(raw.get("num_gpus") or 0)
+    return float(raw.get("min_bid") or raw["dph_total"])
+
+
+def _offer(raw: dict[str, Any], prov: VastProvider) -> Offer:
     return Offer(
         id=str(raw["id"]),
         gpu_name=raw.get("gpu_name", "?"),
         num_gpus=int(raw.get("num_gpus") or 0),
-        price_per_hour=float(raw["dph_total"]),
+        price_per_hour=bid_of(prov, raw) if prov.interruptible else float(raw["dph_total"]),
         ram_gb=(raw.get("cpu_ram") or 0) / MB_PER_GB or None,
         disk_gb=raw.get("disk_space"),
         where=raw.get("geolocation") or "",
         reliability=raw.get("reliability", raw.get("reliability2")),
+        spot=prov.interruptible,
+        host=str(raw.get("machine_id") or ""),
     )
 
 
@@ -170,13 +182,14 @@ class VastBackend(CloudBackend):
             "rentable",
             "verified" if prov.verified else "",
             f"dph_total<=${prov.max_price}/h" if prov.max_price else "",
+            "interruptible (bid)" if prov.interruptible else "",
         ]
         return "(" + ", ".join(p for p in parts if p) + ")"
 
     def find_offers(self, prov: CloudProvider) -> list[Offer]:
         assert isinstance(prov, VastProvider)
         answer = api(prov.api_url).request("POST", "/api/v0/bundles/", search_query(prov)) or {}
-        offers = [_offer(o) for o in answer.get("offers") or []]
+        offers = [_offer(o, prov) for o in answer.get("offers") or []]
         return sorted(offers, key=lambda o: o.price_per_hour)
 
     def picks(self, offers: list[Offer], nodes: int) -> list[Offer]:
@@ -191,7 +204,7 @@ class VastBackend(CloudBackend):
     def launch(self, prov: CloudProvider, cluster: ClusterRecord, label: str, offer: Offer, public_key: str) -> str:
         assert isinstance(prov, VastProvider)
         client = api(cluster.api_url)
-        body = create_body(prov, cluster, label)
+        body = create_body(prov, cluster, label, offer)
         answer = client.request("PUT", f"/api/v0/asks/{offer.id}/", body, idempotent=False) or {}
         if not answer.get("success") or not answer.get("new_contract"):
             raise ProviderError(

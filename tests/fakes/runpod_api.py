@@ -271,10 +271,19 @@ class FakeRunPod(FakeApi):
         self.pods[pod["id"]] = pod
         return self._view(pod, count=False)
 
+    def preempt(self, pod_id: str) -> None:
+        """Take a spot pod back mid-run: it reports EXITED with no runtime, and its SSH keys stop working."""
+        with self.lock:
+            pod = self.pods[pod_id]
+            pod["_exited"] = True
+            for key in pod["_keys"]:
+                if self.ssh:
+                    self.ssh.remove_key(key)
+
     def _view(self, pod: dict, count: bool = True) -> dict:
         if count:
             pod["_reads"] += 1
-        booted = pod["_reads"] > self.boot_polls and self.ssh is not None
+        booted = pod["_reads"] > self.boot_polls and self.ssh is not None and not pod.get("_exited")
         runtime = None
         if booted:
             runtime = {
@@ -293,7 +302,7 @@ class FakeRunPod(FakeApi):
             }
         view = {k: v for k, v in pod.items() if not k.startswith("_")}
         view.update(
-            desiredStatus="RUNNING",
+            desiredStatus="EXITED" if pod.get("_exited") else "RUNNING",
             runtime=runtime,
             uptimeSeconds=pod["_reads"],
             machine={"podHostId": f"{pod['id']}-host", "gpuDisplayName": pod["_gpu"]["displayName"]},

@@ -96,6 +96,7 @@ def offer(
         "disk_space": disk,
         "dph_total": price,
         "dph_base": price * 0.9,
+        "min_bid": round(price * 0.4, 4),  # an interruptible (type "bid") rental's lowest bid, $/h
         "reliability": reliability,
         "verified": verified,
         "rentable": rentable,
@@ -219,6 +220,8 @@ class FakeVast(FakeApi):
             )
         if ask["rented"]:
             raise ApiError(410, {"success": False, "error": "no_such_ask", "msg": "Offer no longer available"})
+        if body.get("price") is not None and float(body["price"]) < ask["min_bid"]:
+            raise _bad(f"bid ${body['price']}/h is below this offer's minimum ${ask['min_bid']}/h")
         stuck = offer_id in self.unschedulable
         if stuck and body.get("cancel_unavail"):
             raise ApiError(400, {"success": False, "error": "unavailable", "msg": "Required resources unavailable"})
@@ -275,13 +278,23 @@ class FakeVast(FakeApi):
             raise ApiError(404, {"success": False, "error": "no_such_instance", "msg": "Instance not found"})
         return inst
 
+    def preempt(self, instance_id: int) -> None:
+        """Take the machine back mid-run (outbid, host gone): the instance reports exited and its
+        SSH stops letting anyone in. (The test kills what ran on it: the stand-in is this machine.)"""
+        with self.lock:
+            inst = self.instances[instance_id]
+            inst["_preempted"] = True
+            for key in inst["_keys"]:
+                if self.ssh:
+                    self.ssh.remove_key(key)
+
     def _view(self, inst: dict, count: bool = True) -> dict:
         if count:
             inst["_reads"] += 1
         ask = inst["ask"]
         reads = inst["_reads"]
         status = None if reads <= 1 else "running" if reads > self.boot_polls else "loading"
-        if inst["_stuck"]:
+        if inst["_stuck"] or inst.get("_preempted"):
             status = "exited" if reads > 1 else None
         running = status == "running" and self.ssh is not None
         return {
@@ -289,7 +302,11 @@ class FakeVast(FakeApi):
             "actual_status": status,
             "intended_status": "stopped" if inst["_stuck"] else "running",
             "cur_state": "stopped" if inst["_stuck"] else "running",
-            "status_msg": "Unable to schedule: required resources unavailable" if inst["_stuck"] else None,
+            "status_msg": "Unable to schedule: required resources unavailable"
+            if inst["_stuck"]
+            else "preempted: outbid"
+            if inst.get("_preempted")
+            else None,
             "label": inst["label"],
             "image_uuid": inst["image_uuid"],
             "image_runtype": inst["image_runtype"],

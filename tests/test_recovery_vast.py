@@ -1,0 +1,293 @@
+"""A node lost mid-run (recovery:, flows/recover.py) against the fake Vast.ai API, whose instances
+are the loopback test sshd: the fake preempts an instance (it reports exited, its SSH stops
+letting anyone in) and the test kills what ran on it, as the host taking the machine back would.
+
+Fast tests decide "lost or not" and "restart or give up" in-process; the slow one trains for
+real, is preempted after a checkpoint and finishes on the other offer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from provision.core import state
+from provision.core.config import load_config
+from provision.core.errors import GpuctlError, RemoteError
+from provision.flows import recover
+from provision.providers import cloud, vast
+from provision.providers.base import UpOptions
+from tests.fakes.harness import node_fields, ssh_target, wait_until, write_config
+from tests.fakes.vast_api import FakeVast
+from tests.helpers import GPUCTL
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture
+def fake(sshd, monkeypatch):
+    with FakeVast(ssh=ssh_target(sshd)) as server:
+        monkeypatch.setenv("VAST_API_KEY", server.key)
+        monkeypatch.setattr(cloud, "POLL_S", 0.2)
+        yield server
+
+
+def configure(project: Path, fake, tmp_path: Path, recovery: dict, provider: dict | None = None, **train) -> None:
+    prov = {"kind": "vast", "api_url": fake.url, **node_fields(tmp_path), **(provider or {})}
+    path = write_config(project, prov, name="vast-rec", **train)
+    doc = yaml.safe_load(path.read_text())
+    doc["recovery"] = recovery
+    path.write_text(yaml.safe_dump(doc))
+
+
+def up(project: Path, **opts):
+    from provision.flows import cluster
+
+    cfg = load_config(project / "gpuctl.yaml")
+    record = cluster.up(cfg, UpOptions(assume_yes=True, say=lambda _line: None, **opts))
+    return cfg, record
+
+
+def running_run(record) -> state.RunRecord:
+    run = state.RunRecord(
+        run_id="20261203-000000-ab12",
+        cluster=record.name,
+        run_dir="/nowhere",
+        bundle_dir="/nowhere",
+        world_size=3,
+        train_batch_size=12,
+        micro_batch=1,
+        grad_accum=4,
+        max_steps=4,
+        state="running",
+        pgid=999999,
+    )
+    state.save_run(run)
+    return run
+
+
+def test_recovery_defaults_and_bid_offers(project, fake, tmp_path):
+    configure(project, fake, tmp_path, {}, provider={"interruptible": True})
+    cfg = load_config(project / "gpuctl.yaml")
+    assert recover.restarts_allowed(cfg) == 3 and cfg.recovery.exclude_lost_hosts
+    assert vast.search_query(cfg.provider)["type"] == "bid"  # the client's offer_type "interruptible"
+    offers = vast.BACKEND.find_offers(cfg.provider)
+    assert offers[0].spot and offers[0].price_per_hour == pytest.approx(0.42)  # 1001's min_bid
+    configure(project, fake, tmp_path, {})
+    assert recover.restarts_allowed(load_config(project / "gpuctl.yaml")) == 0  # on demand: none
+
+
+def test_offers_and_up_show_the_bid_and_create_sends_it(project, gpuctl, fake, tmp_path):
+    configure(project, fake, tmp_path, {}, provider={"interruptible": True, "bid_per_gpu": 0.2})
+    shown = gpuctl("offers")
+    assert shown.returncode == 0, shown.stderr
+    assert "0.600 bid" in shown.stdout  # 3 GPUs x $0.20
+    dry = gpuctl("up", "--dry-run")
+    assert "at $0.600/h (" in dry.stderr and "interruptible (bid)" in dry.stderr
+    _cfg, record = up(project)
+    assert fake.created_bodies[0]["price"] == 0.6 and record.nodes[0].host_id == "51001"
+    assert gpuctl("down", "--yes").returncode == 0
+
+
+def test_preempted_gone_slow_and_offline_are_told_apart(project, fake, tmp_path):
+    configure(project, fake, tmp_path, {"lost_after": 30})
+    cfg, record = up(project)
+    watch = recover.LossWatch(running_run(record), record, cfg.recovery.lost_after)
+    dropped = RemoteError("connection reset", "retry")
+    watch.unreachable(25, dropped)  # a slow or briefly unreachable node the vendor runs: not lost
+    with pytest.raises(recover.NodeLost, match="unreachable for 31s"):
+        watch.unreachable(31, dropped)  # past lost_after while the vendor still answers
+    fake.fail_next = [503] * 50  # the laptop's link is down: the vendor cannot be asked either
+    watch.unreachable(10_000, dropped)
+    fake.fail_next = []
+    fake.preempt(7000001)
+    with pytest.raises(recover.NodeLost, match=r"7000001 was preempted or stopped \(exited \(preempted: outbid\)\)"):
+        watch.unreachable(1, dropped)
+    fake.instances.clear()
+    with pytest.raises(recover.NodeLost, match="7000001 is gone"):
+        watch.unreachable(1, dropped)
+
+
+def test_restarts_stop_at_max_restarts(project, fake, tmp_path):
+    configure(project, fake, tmp_path, {"max_restarts": 1})
+    cfg, record = up(project)
+    run = running_run(record)
+    earlier = state.RestartEvent(
+        at=0,
+        reason="earlier",
+        old_instance="7000000",
+        old_host="51003",
+        new_instance="7000001",
+        resumed_from=None,
+        step=0,
+        cost_so_far=0.5,
+    )
+    state.update_run(run.run_id, restarts=[earlier])
+    fake.preempt(7000001)
+    with pytest.raises(GpuctlError) as err:
+        recover.recover(cfg, run, "instance 7000001 was preempted", print)
+    line = err.value.one_line()
+    assert "lost: instance 7000001 was preempted; 1 of 1 restart(s) used" in line
+    assert "gpuctl up --yes && gpuctl train --resume" in line
+    assert not fake.instances and state.find_cluster("vast-rec") is None  # everything terminated
+    assert state.load_run(run.run_id).state == "lost" and len(fake.created_bodies) == 1
+
+
+def test_the_lost_host_is_not_rented_again(project, fake, tmp_path):
+    configure(project, fake, tmp_path, {"max_restarts": 2})
+    cfg, record = up(project)
+    run = running_run(record)
+    fake.offers = [o for o in fake.offers if o["id"] != 1003]  # the lost machine's offer is all that is left
+    fake.preempt(7000001)
+    with pytest.raises(GpuctlError) as err:
+        recover.recover(cfg, run, "instance 7000001 was preempted", print)
+    assert "recovery failed: no vast offer matches" in err.value.one_line()
+    assert "gpuctl train --resume" in err.value.one_line()
+    assert not fake.instances and len(fake.created_bodies) == 1  # 1001 is rentable again, but not to this run
+    assert state.load_run(run.run_id).state == "lost" and state.find_cluster("vast-rec") is None
+
+
+def test_restarts_stop_at_the_budget_cap(project, fake, tmp_path):
+    configure(project, fake, tmp_path, {"max_restarts": 5}, provider={"max_cost": 2.0})
+    cfg, record = up(project, spent_cost=1.99, spent_hours=1.9)  # earlier clusters of the run
+    assert record.budget_hours == pytest.approx(0.01 / 1.05)  # the cap counts them
+    run = running_run(record)
+    state.save_cluster(record.model_copy(update={"spent_cost": 2.0}))
+    with pytest.raises(GpuctlError, match=r"the budget cap is spent"):
+        recover.recover(cfg, run, "preempted", print)
+    assert not fake.instances and len(fake.created_bodies) == 1
+
+
+def test_status_after_the_laptop_was_away_names_the_resume_command(project, gpuctl, fake, tmp_path):
+    configure(project, fake, tmp_path, {"max_restarts": 0})
+    _cfg, record = up(project)
+    run = running_run(record)
+    fake.preempt(7000001)
+    shown = gpuctl("status")
+    assert shown.returncode == 0, shown.stderr
+    assert f"run {run.run_id} lost: vast instance 7000001 was preempted or stopped" in shown.stderr
+    assert "gpuctl down --yes && gpuctl up --yes && gpuctl train --resume" in shown.stderr
+    assert gpuctl("down", "--yes").returncode == 0 and not fake.instances
+    assert state.load_run(run.run_id).state == "lost"
+
+
+def _kill_the_machine(fake, tmp_path: Path, run_dir: Path) -> None:
+    """Preempt instance 7000001: the vendor says exited, SSH refuses, and its processes and disk go."""
+    fake.preempt(7000001)
+    pgid = json.loads((run_dir / "status.json").read_text())["pgid"]
+    os.killpg(pgid, signal.SIGKILL)
+    wait_until(lambda: not _group_alive(pgid), 30, "the preempted run's processes to end")
+    shutil.rmtree(run_dir)  # its disk goes with it
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _steps(path: Path) -> dict[int, float]:
+    """step -> loss of metrics.jsonl's whole lines (the last one may be half written)."""
+    losses = {}
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        if line.endswith("}"):
+            row = json.loads(line)
+            losses[row["step"]] = row["loss"]
+    return losses
+
+
+def _freeze_past_a_checkpoint(run_dir: Path, store: Path) -> tuple[dict[int, float], int]:
+    """Stop the run's processes (SIGSTOP) at a moment when it has run steps past the store's newest
+    complete checkpoint; (the losses so far, that checkpoint's step). Nothing moves until the kill."""
+    pgid = json.loads((run_dir / "status.json").read_text())["pgid"]
+    for _ in range(600):
+        os.killpg(pgid, signal.SIGSTOP)
+        latest = (store / "latest").read_text().strip() if (store / "latest").is_file() else ""
+        before = _steps(run_dir / "metrics.jsonl")
+        if latest and max(before, default=0) > int(latest.removeprefix("step")):
+            return before, int(latest.removeprefix("step"))
+        os.killpg(pgid, signal.SIGCONT)
+        time.sleep(0.5)
+    raise AssertionError("the run never got past a stored checkpoint")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # two DeepSpeed starts; on a loaded 2-core machine each can take minutes
+def test_e2e_preempted_mid_run_resumes_on_the_other_offer(project, gpuctl, fake, tmp_path):
+    configure(project, fake, tmp_path, {"max_restarts": 1}, max_steps=9, checkpoint_every=3)
+    assert gpuctl("up", "--yes").returncode == 0
+    proc = subprocess.Popen([*GPUCTL, "train"], cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        runs = tmp_path / "node" / "runs"
+        wait_until(lambda: runs.is_dir() and any(runs.iterdir()), 120, "the run to start")
+        run_dir = next(runs.iterdir())
+        wait_until(lambda: max(_steps(run_dir / "metrics.jsonl"), default=0) >= 4, 600, "step 4", every=0.2)
+        before, stored = _freeze_past_a_checkpoint(run_dir, project / "gpuctl-storage")  # the uninterrupted run
+        _kill_the_machine(fake, tmp_path, run_dir)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert "node lost: vast instance 7000001 was preempted or stopped" in err
+    assert 7000001 in fake.deleted and 7000001 not in fake.instances  # gone from the vendor's list
+    assert fake.created_bodies[1]["label"].startswith("gpuctl-vast-rec-0-")
+    assert [i["ask"]["id"] for i in fake.instances.values()] == [1003]  # not the lost host (1001)
+    run = state.list_runs("vast-rec")[-1]
+    assert run.state == "succeeded" and run.run_dir.endswith(run_dir.name)  # same run id
+    (event,) = run.restarts
+    resumed = event.step
+    assert event.reason.startswith("vast instance 7000001") and event.old_instance == "7000001"
+    assert event.resumed_from == "latest" and resumed == stored and event.cost_so_far > 0
+    after = _steps(run_dir / "metrics.jsonl")  # the new node's run dir: the same path on this stand-in
+    assert sorted(after) == list(range(1, 10))  # metrics.jsonl continues, each step once
+    overlap = [s for s in before if s > resumed]
+    assert overlap, (resumed, before)
+    for step in overlap:  # the resumed steps match the uninterrupted run from that checkpoint
+        assert after[step] == pytest.approx(before[step], abs=1e-6), (step, before, after)
+    shown = gpuctl("status")
+    assert "restart 1," in shown.stdout and "preempted" in shown.stdout, shown.stdout
+    assert gpuctl("down", "--yes").returncode == 0 and not fake.instances
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_e2e_no_restarts_the_run_is_lost_and_everything_terminated(project, gpuctl, fake, tmp_path):
+    """max_restarts 0, and the laptop away when it happens: `logs -f` finds the lost node."""
+    configure(project, fake, tmp_path, {"max_restarts": 0}, max_steps=200, checkpoint_every=0)
+    assert gpuctl("up", "--yes").returncode == 0
+    started = gpuctl("train", "--detach")
+    assert started.returncode == 0, started.stderr
+    run_dir = tmp_path / "node" / "runs" / started.stdout.strip()
+    wait_until(lambda: max(_steps(run_dir / "metrics.jsonl"), default=0) >= 1, 300, "the first step", every=0.2)
+    _kill_the_machine(fake, tmp_path, run_dir)
+    follow = gpuctl("logs", "-f", timeout=300)
+    assert follow.returncode == 1, follow.stdout[-2000:] + follow.stderr[-2000:]
+    errors = [x for x in follow.stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and f"run {run_dir.name} lost: vast instance 7000001 was preempted" in errors[0]
+    assert "0 of 0 restart(s) used" in errors[0] and "gpuctl up --yes && gpuctl train --resume" in errors[0]
+    assert not fake.instances and fake.deleted == [7000001] and len(fake.created_bodies) == 1
+    assert state.find_cluster("vast-rec") is None and state.load_run(run_dir.name).state == "lost"
+
+
+def test_a_node_that_may_have_deleted_itself_is_not_recovered(project, fake, tmp_path):
+    configure(project, fake, tmp_path, {"max_restarts": 3})
+    cfg, record = up(project)
+    run = running_run(record)
+    fake.instances.clear()  # gone: with teardown after-train that is the node's own doing after the run
+    said: list[str] = []
+    assert recover.on_status(run, cfg.model_copy(update={"teardown": "after-train"}), said.append) is None
+    assert not said and len(fake.created_bodies) == 1
+    state.save_cluster(record.model_copy(update={"budget_hours": 0.001, "created_at": record.created_at - 3600}))
+    watch = recover.LossWatch(run, state.load_cluster(record.name), cfg.recovery.lost_after)
+    watch.unreachable(1, RemoteError("refused", "retry"))  # past its cap: the guard deleted it
