@@ -77,6 +77,7 @@ class Terminal:
 
     def close(self) -> None:
         subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, timeout=30)
+        Path(f"/tmp/tmux-{os.getuid()}", self.socket).unlink(missing_ok=True)  # the server leaves its socket file
 
 
 @pytest.fixture
