@@ -23,6 +23,8 @@ if ! "$PY" -c "import torch" 2>/dev/null; then "$PY" -m pip install -q torch==2.
 
 # DeepSpeed JIT-compiles its CPU ops on first use; keep them between runs.
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/gpuctl/torch_extensions}"
+# A build killed half way leaves its `lock` file, and every later load waits on it for ever.
+find "$TORCH_EXTENSIONS_DIR" -name lock -mmin +30 -delete 2>/dev/null || true
 # Build them once, in one process, before any test starts ranks (3 ranks compiling at once
 # on 2 cores is slow and memory-hungry).
 DS_ACCELERATOR=cpu "$PY" -c "
