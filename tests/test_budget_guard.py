@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 
 from provision.core import state
-from provision.core.config import GpuctlConfig, VastProvider, load_config
+from provision.core.config import GpuctlConfig, load_config
 from provision.core.errors import GpuctlError
+from provision.core.provider_config import VastProvider
 from provision.flows import cluster, guard, job
 from provision.providers import cloud
 from provision.providers.base import SelfTeardown, UpOptions

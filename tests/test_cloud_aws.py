@@ -12,8 +12,9 @@ import urllib.request
 import boto3
 import pytest
 
-from provision.core.config import AWSProvider, load_config
+from provision.core.config import load_config
 from provision.core.errors import AuthError, ConfigError, NoOfferError, ProviderError
+from provision.core.provider_config import AWSProvider
 from provision.core.state import ClusterRecord, NodeRecord
 from provision.providers import aws, cloud
 from provision.providers.base import UpOptions

@@ -16,7 +16,7 @@ import pytest
 import runpod as official
 from runpod.api.mutations import pods as official_mutations
 
-from provision.core.config import RunPodProvider
+from provision.core.provider_config import RunPodProvider
 from provision.core.state import ClusterRecord
 from provision.providers import runpod as ours
 from provision.providers.base import Offer

@@ -14,7 +14,7 @@ import pytest
 from vastai import VastAI
 from vastai.api import offers as vast_offers
 
-from provision.core.config import VastProvider
+from provision.core.provider_config import VastProvider
 from provision.core.state import ClusterRecord
 from provision.providers import vast
 from provision.providers.base import Offer

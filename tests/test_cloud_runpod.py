@@ -8,8 +8,9 @@ import subprocess
 
 import pytest
 
-from provision.core.config import RunPodProvider, load_config
+from provision.core.config import load_config
 from provision.core.errors import NoOfferError, ProviderError
+from provision.core.provider_config import RunPodProvider
 from provision.providers import cloud, runpod
 from provision.providers.base import UpOptions
 from tests.fakes.harness import assert_secret_absent, node_fields, ssh_target, wait_until, write_config

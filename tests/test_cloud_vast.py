@@ -15,8 +15,9 @@ import time
 
 import pytest
 
-from provision.core.config import VastProvider, load_config
+from provision.core.config import load_config
 from provision.core.errors import ProviderError
+from provision.core.provider_config import VastProvider
 from provision.providers import cloud, vast
 from provision.providers.base import UpOptions
 from tests.fakes.harness import assert_secret_absent, node_fields, ssh_target, wait_until, write_config

@@ -21,8 +21,9 @@ from typer.testing import CliRunner
 
 from provision.cli.app import app
 from provision.core import state
-from provision.core.config import GpuctlConfig, SSHProvider, load_config
+from provision.core.config import GpuctlConfig, load_config
 from provision.core.errors import ConfigError
+from provision.core.provider_config import SSHProvider
 from provision.flows import job
 from provision.flows.render import BundleNode, BundleSpec, render_bundle
 from provision.transport.remote import LocalNode

@@ -11,7 +11,8 @@ import math
 
 import pytest
 
-from provision.core.config import GpuctlConfig, VastProvider
+from provision.core.config import GpuctlConfig
+from provision.core.provider_config import VastProvider
 from provision.estimate.hardware import GB, KNOWN_MODELS, ModelDims
 from provision.estimate.node import (
     TIMEOUT_FLOOR_S,

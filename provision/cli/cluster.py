@@ -57,8 +57,8 @@ def offers(
     """List the rentable machines that match the config's cloud provider, cheapest first."""
     from dataclasses import asdict
 
-    from provision.core.config import CloudProvider
     from provision.core.errors import ConfigError
+    from provision.core.provider_config import CloudProvider
     from provision.providers import backend
 
     cfg = load(config)

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 from provision.estimate.hardware import KNOWN_MODELS, PlanError
 
 if TYPE_CHECKING:
-    from provision.core.config import CloudProvider, GpuctlConfig
+    from provision.core.config import GpuctlConfig
+    from provision.core.provider_config import CloudProvider
     from provision.estimate.node import NodeRequirements
 
 
@@ -21,7 +22,7 @@ def plan_input(cfg: GpuctlConfig | None) -> dict[str, Any]:
     """The run's own gpuctl.yaml as PlanInput fields; {} (DeepSeek-7B on 3x RTX 4090) without one."""
     if cfg is None:
         return {}
-    from provision.core.config import CloudProvider
+    from provision.core.provider_config import CloudProvider
 
     prov, train = cfg.provider, cfg.train
     gpus = getattr(prov, "gpus_per_node", None) or getattr(prov, "cpu_ranks", None) or 1
@@ -62,7 +63,7 @@ def node_figures(cfg: GpuctlConfig) -> NodeRequirements | None:
 
 def sized_provider(cfg: GpuctlConfig) -> CloudProvider:
     """cfg.provider with min_ram_gb and disk_gb raised to plan's figures where gpuctl.yaml leaves them out."""
-    from provision.core.config import CloudProvider
+    from provision.core.provider_config import CloudProvider
 
     prov = cfg.provider
     assert isinstance(prov, CloudProvider)

@@ -147,7 +147,7 @@ def _down_cluster(cluster: state.ClusterRecord, say: Callable[[str], None], grac
 
 def planned(cfg: GpuctlConfig) -> state.ClusterRecord:
     """The cluster `up` would record, without touching a machine (for render and dry runs)."""
-    from provision.core.config import LocalProvider, SSHProvider
+    from provision.core.provider_config import LocalProvider, SSHProvider
     from provision.providers.base import resolve_runtime
     from provision.providers.local import node_python, visible_gpus
 

@@ -21,8 +21,9 @@ from typing import Any
 
 from provision.core import state
 from provision.core.checks import CheckRow, DoctorResult
-from provision.core.config import CloudProvider, GpuctlConfig
+from provision.core.config import GpuctlConfig
 from provision.core.errors import ConfigError, GpuctlError, RemoteError
+from provision.core.provider_config import CloudProvider
 from provision.estimate.doctor import Needs, judge
 from provision.providers import backend
 from provision.transport.remote import Node

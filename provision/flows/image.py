@@ -24,8 +24,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from provision.core.config import CloudProvider, GpuctlConfig, SSHProvider
+from provision.core.config import GpuctlConfig
 from provision.core.errors import ConfigError, GpuctlError, RemoteError
+from provision.core.provider_config import CloudProvider, SSHProvider
 from provision.flows.context import build_context, context_tar
 from provision.providers.base import DEFAULT_IMAGE
 from provision.transport.remote import CommandResult, LocalNode, Node

@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import NoReturn, Protocol
 
 from provision.core import interrupt, state
-from provision.core.config import CloudProvider, GpuctlConfig
+from provision.core.config import GpuctlConfig
 from provision.core.errors import GpuctlError, ProviderError, RemoteError
+from provision.core.provider_config import CloudProvider
 from provision.flows import job
 from provision.providers import backend
 from provision.providers.base import UpOptions

@@ -32,8 +32,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from provision.core.config import AWSProvider, CloudProvider
 from provision.core.errors import AuthError, ConfigError, NoOfferError, ProviderError
+from provision.core.provider_config import AWSProvider, CloudProvider
 from provision.core.state import ClusterRecord, NodeRecord
 from provision.providers.base import Offer, SelfTeardown
 from provision.providers.cloud import CloudBackend, Instance

@@ -18,8 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
-from provision.core.config import CloudProvider, GpuctlConfig
+from provision.core.config import GpuctlConfig
 from provision.core.errors import ConfigError
+from provision.core.provider_config import CloudProvider
 from provision.core.state import ClusterRecord, NodeRecord
 from provision.transport.remote import Node
 

@@ -22,8 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from provision.core import interrupt, state
-from provision.core.config import CloudProvider, GpuctlConfig, check_batch
+from provision.core.config import GpuctlConfig, check_batch
 from provision.core.errors import GpuctlError, NoOfferError, ProviderError
+from provision.core.provider_config import CloudProvider
 from provision.core.state import ClusterRecord, NodeRecord
 from provision.providers.abort import UpAbort
 from provision.providers.base import (

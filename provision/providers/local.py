@@ -7,8 +7,9 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-from provision.core.config import GpuctlConfig, LocalProvider
+from provision.core.config import GpuctlConfig
 from provision.core.errors import ConfigError
+from provision.core.provider_config import LocalProvider
 from provision.core.state import ClusterRecord, NodeRecord, state_dir
 from provision.providers.base import ProviderBackend, SelfTeardown, UpOptions
 from provision.transport.remote import LocalNode, Node

@@ -34,8 +34,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from provision.core.config import CloudProvider, RunPodProvider
 from provision.core.errors import NoOfferError, ProviderError
+from provision.core.provider_config import CloudProvider, RunPodProvider
 from provision.core.state import ClusterRecord
 from provision.providers.base import Offer, SelfTeardown
 from provision.providers.cloud import CloudBackend, Instance, budget_hours, http_teardown, node_last

@@ -23,8 +23,9 @@ from pathlib import Path
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_before_delay, wait_exponential
 
 from provision.core import state
-from provision.core.config import GpuctlConfig, SSHProvider
+from provision.core.config import GpuctlConfig
 from provision.core.errors import ConfigError, RemoteError
+from provision.core.provider_config import SSHProvider
 from provision.core.ssh_route import SSHRoute
 from provision.providers.base import ProviderBackend, SelfTeardown, UpOptions
 from provision.transport.remote import Node

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote_plus
 
-from provision.core.config import CloudProvider, VastProvider
 from provision.core.errors import ProviderError
+from provision.core.provider_config import CloudProvider, VastProvider
 from provision.core.state import ClusterRecord
 from provision.providers.base import Offer, SelfTeardown
 from provision.providers.cloud import CloudBackend, Instance, http_teardown, node_last

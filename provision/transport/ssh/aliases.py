@@ -66,7 +66,7 @@ def load(path: str | None) -> tuple[paramiko.SSHConfig, str]:
 
 def split_spec(spec: str) -> tuple[str | None, str, int | None]:
     """`[user@]host[:port]` (and ssh://...) -> (user, host, port)."""
-    from provision.core.config import HOST_RE
+    from provision.core.provider_config import HOST_RE
 
     text = spec.strip().removeprefix("ssh://")
     match = HOST_RE.match(text)
