@@ -83,7 +83,7 @@ def test_local_fsdp_trains_resumes_from_the_store_and_exports(project, gpuctl: G
     shards = {p.name for p in (store / f"step{EVERY}").iterdir()}
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "manifest.json"} <= shards
 
-    resumed = gpuctl("train", "--resume-from", f"step{EVERY}")
+    resumed = gpuctl("train", "-v", "--resume-from", f"step{EVERY}")  # -v: job.log verbatim
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-2000:]
     assert f"downloaded checkpoint step{EVERY}" in resumed.stdout
     second = run_losses(json.loads(gpuctl("status", "--json").stdout)["run"]["run_dir"])

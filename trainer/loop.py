@@ -196,7 +196,7 @@ def setup(cfg: RunConfig, env: DistEnv) -> Session:
         )
     gpu_name = torch.cuda.get_device_name() if get_accelerator().device_name() == "cuda" else None
     say(
-        f"{cfg.train.strategy}: model {cfg.train.model}: {params / 1e6:.2f}M params, {precision}, vocab {len(tokenizer)}; "
+        f"model {cfg.train.model} ({cfg.train.strategy}): {params / 1e6:.2f}M params, {precision}, vocab {len(tokenizer)}; "
         f"data {data.num_samples} samples of {cfg.train.seq_len} tokens; world {env.world_size}, "
         f"global batch {geo.global_batch} ({geo.tokens_per_step} tokens/step)" + (f"; {gpu_name}" if gpu_name else "")
     )
