@@ -20,7 +20,7 @@ from provision.core.errors import ProviderError
 from provision.core.provider_config import VastProvider
 from provision.providers import cloud, vast
 from provision.providers.base import UpOptions
-from tests.fakes.harness import assert_secret_absent, node_fields, ssh_target, wait_until, write_config
+from tests.fakes.harness import assert_secret_absent, node_fields, saved_run, ssh_target, wait_until, write_config
 from tests.fakes.vast_api import FakeVast
 from tests.helpers import GPUCTL
 
@@ -201,21 +201,7 @@ def test_down_when_the_node_already_deleted_itself_mid_run(project, gpuctl, fake
     from provision.core import state
 
     _cfg, record, _ = up_in_process(project, fake, tmp_path)
-    state.save_run(
-        state.RunRecord(
-            run_id="r1",
-            cluster=record.name,
-            run_dir="/nowhere",
-            bundle_dir="/nowhere",
-            world_size=3,
-            train_batch_size=12,
-            micro_batch=1,
-            grad_accum=4,
-            max_steps=4,
-            state="running",
-            pgid=999999,
-        )
-    )
+    saved_run(record.name, "r1")
     fake.instances.clear()  # the node tore itself down (budget cap) and took its SSH key along
     fake.ssh.remove_key((state_dir / "keys" / "vast-t" / "id_ed25519.pub").read_text())
     shown = gpuctl("status")

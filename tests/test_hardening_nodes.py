@@ -26,7 +26,7 @@ from provision.transport.remote import LocalNode
 from provision.transport.ssh import mesh
 from provision.transport.ssh.connect import HostKeyRefused
 from provision.transport.ssh.node import SSHNode
-from tests.fakes.harness import node_fields, ssh_target, write_config
+from tests.fakes.harness import node_fields, saved_run, ssh_target, write_config
 from tests.fakes.vast_api import FakeVast
 from tests.helpers import GPUCTL
 from tests.sshd import keygen
@@ -95,21 +95,7 @@ def test_down_terminates_paid_nodes_although_the_run_does_not_stop(project, vast
     record = cluster.up(load_config(project / "gpuctl.yaml"), UpOptions(assume_yes=True, say=lambda _: None))
     stuck = subprocess.Popen(["setsid", "sleep", "600"])  # the run's process group on the "node"
     try:
-        state.save_run(
-            state.RunRecord(
-                run_id="20260101-000000-stck",
-                cluster=record.name,
-                run_dir=str(tmp_path / "node" / "runs" / "x"),
-                bundle_dir=str(tmp_path),
-                world_size=3,
-                train_batch_size=12,
-                micro_batch=1,
-                grad_accum=4,
-                max_steps=4,
-                state="running",
-                pgid=stuck.pid,
-            )
-        )
+        saved_run(record.name, "20260101-000000-stck", pgid=stuck.pid, run_dir=str(tmp_path / "node" / "runs" / "x"))
         # a node whose kill does not take (ranks stuck in the kernel on a dying GPU): signals are lost
         monkeypatch.setattr(SSHNode, "signal_group", lambda self, pgid, sig="TERM": None)
         said: list[str] = []
@@ -131,21 +117,7 @@ def test_down_still_refuses_to_walk_away_from_a_live_run_on_your_own_machine(pro
     cluster.up(cfg, UpOptions(say=lambda _: None))
     stuck = subprocess.Popen(["setsid", "sleep", "600"])
     try:
-        state.save_run(
-            state.RunRecord(
-                run_id="20260101-000000-loca",
-                cluster=cfg.cluster_name,
-                run_dir="/nowhere",
-                bundle_dir="/nowhere",
-                world_size=3,
-                train_batch_size=12,
-                micro_batch=1,
-                grad_accum=4,
-                max_steps=4,
-                state="running",
-                pgid=stuck.pid,
-            )
-        )
+        saved_run(cfg.cluster_name, "20260101-000000-loca", pgid=stuck.pid)
         monkeypatch.setattr(LocalNode, "signal_group", lambda self, pgid, sig="TERM": None)
         with pytest.raises(Exception, match="did not stop"):
             cluster.down(cfg.cluster_name, say=lambda _: None, grace_s=0.5)

@@ -11,7 +11,7 @@ from provision.core.errors import RemoteError
 from provision.flows import recover
 from provision.providers import cloud
 from provision.providers.base import UpOptions
-from tests.fakes.harness import node_fields, ssh_target, write_config
+from tests.fakes.harness import node_fields, saved_run, ssh_target, write_config
 from tests.fakes.runpod_api import FakeRunPod
 
 pytestmark = pytest.mark.timeout(240)
@@ -32,20 +32,7 @@ def spot_cluster(project, fake, tmp_path):
     from provision.flows import cluster
 
     record = cluster.up(cfg, UpOptions(assume_yes=True, say=lambda _: None))
-    run = state.RunRecord(
-        run_id="20261203-000000-cd34",
-        cluster=record.name,
-        run_dir="/nowhere",
-        bundle_dir="/nowhere",
-        world_size=3,
-        train_batch_size=12,
-        micro_batch=1,
-        grad_accum=4,
-        max_steps=4,
-        state="running",
-        pgid=999999,
-    )
-    state.save_run(run)
+    run = saved_run(record.name, "20261203-000000-cd34")
     return cfg, record, run
 
 

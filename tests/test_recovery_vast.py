@@ -25,7 +25,7 @@ from provision.core.errors import GpuctlError, RemoteError
 from provision.flows import recover
 from provision.providers import cloud, vast
 from provision.providers.base import UpOptions
-from tests.fakes.harness import node_fields, ssh_target, wait_until, write_config
+from tests.fakes.harness import node_fields, saved_run, ssh_target, wait_until, write_config
 from tests.fakes.vast_api import FakeVast
 from tests.helpers import GPUCTL
 
@@ -57,21 +57,7 @@ def up(project: Path, **opts):
 
 
 def running_run(record) -> state.RunRecord:
-    run = state.RunRecord(
-        run_id="20261203-000000-ab12",
-        cluster=record.name,
-        run_dir="/nowhere",
-        bundle_dir="/nowhere",
-        world_size=3,
-        train_batch_size=12,
-        micro_batch=1,
-        grad_accum=4,
-        max_steps=4,
-        state="running",
-        pgid=999999,
-    )
-    state.save_run(run)
-    return run
+    return saved_run(record.name, "20261203-000000-ab12")
 
 
 def test_recovery_defaults_and_bid_offers(project, fake, tmp_path):

@@ -11,9 +11,9 @@ import re
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from provision.core import interrupt, state
 from provision.core.config import GpuctlConfig, check_batch
@@ -26,6 +26,7 @@ from trainer.objstore.atomic import atomic_write
 
 TERMINAL = ("succeeded", "failed", "cancelled", "lost")
 POLL_S = 0.5
+T = TypeVar("T")
 
 
 def new_run_id() -> str:
@@ -280,6 +281,46 @@ class FollowWatch(Protocol):
     def unreachable(self, seconds: float, error: RemoteError) -> None: ...
 
 
+@dataclass
+class Link:
+    """The connection to a followed run's node. A failed read closes it, tells the watch, and is
+    retried (the next read reconnects) until reconnect_s pass without a good one."""
+
+    run: state.RunRecord
+    reconnect_s: float = 300
+    watch: FollowWatch | None = None
+    node_for: Callable[[state.RunRecord], Node] = node_of
+    node: Node | None = None
+    last_ok: float = field(default_factory=time.monotonic)
+
+    def read(self, what: Callable[[Node], T]) -> T | None:
+        """what(node); None when the node could not be read this time (after a pause)."""
+        interrupt.check()  # a Ctrl-C that a finalizer swallowed (core/interrupt.py) still detaches
+        try:
+            self.node = self.node or self.node_for(self.run)
+            got = what(self.node)
+            self.last_ok = time.monotonic()
+            if self.watch is not None:
+                self.watch.seen(self.node)
+            return got
+        except RemoteError as exc:
+            self.close()
+            if self.watch is not None:
+                self.watch.unreachable(time.monotonic() - self.last_ok, exc)
+            if time.monotonic() - self.last_ok > self.reconnect_s:
+                raise GpuctlError(
+                    f"lost the connection to run {self.run.run_id}: {exc.message}",
+                    "check the node, then `gpuctl logs -f` to reattach",
+                ) from None
+            time.sleep(2)
+            return None
+
+    def close(self) -> None:
+        if self.node is not None:
+            self.node.close()
+        self.node = None
+
+
 def follow(
     run: state.RunRecord,
     out: Callable[[str], None],
@@ -293,39 +334,25 @@ def follow(
     A dropped connection is retried until reconnect_s passes without a successful read.
     """
     offset = 0
-    node = None
-    last_ok = time.monotonic()
-    while True:
-        interrupt.check()  # a Ctrl-C that a finalizer swallowed (core/interrupt.py) still detaches
-        try:
-            node = node or node_of(run)
-            status = read_status(run, node)  # first: once it is terminal, the log read next is complete
-            chunk, next_offset = node.read_new(f"{run.run_dir}/job.log", offset)
-            last_ok = time.monotonic()
-            if watch is not None:
-                watch.seen(node)
-        except RemoteError as exc:
-            if node is not None:
-                node.close()
-            node = None
-            if watch is not None:
-                watch.unreachable(time.monotonic() - last_ok, exc)
-            if time.monotonic() - last_ok > reconnect_s:
-                raise GpuctlError(
-                    f"lost the connection to run {run.run_id}: {exc.message}",
-                    "check the node, then `gpuctl logs -f` to reattach",
-                ) from None
-            time.sleep(2)
-            continue
-        offset = next_offset
-        if chunk:
+
+    def poll(node: Node) -> tuple[RunStatus, tuple[str, int]]:
+        # status first: once it is terminal, the log read next is complete
+        return read_status(run, node), node.read_new(f"{run.run_dir}/job.log", offset)
+
+    link = Link(run, reconnect_s, watch)
+    try:
+        while True:
+            got = link.read(poll)
+            if got is None:
+                continue
+            status, (chunk, offset) = got
             for line in chunk.splitlines():
                 out(line)
-        if not until_end or status.state in TERMINAL:
-            if node is not None:
-                node.close()
-            return status
-        time.sleep(POLL_S)
+            if not until_end or status.state in TERMINAL:
+                return status
+            time.sleep(POLL_S)
+    finally:
+        link.close()
 
 
 def cancel(run: state.RunRecord, *, grace_s: float = 20) -> bool:

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from provision.core import interrupt, state
-from provision.core.errors import GpuctlError, RemoteError
+from provision.core import state
 from provision.flows import job
 from provision.transport.remote import Node
 
@@ -209,29 +208,11 @@ def watch(
     offsets are kept, so nothing is shown twice).
     """
     feed, st = Feed(run), WatchState(RunInfo.of(run))
-    node: Node | None = None
-    last_ok = time.monotonic()
+    link = job.Link(run, reconnect_s, hook, node_for)
     try:
         while True:
-            interrupt.check()  # a Ctrl-C that a finalizer swallowed (core/interrupt.py) still detaches
-            try:
-                node = node or node_for(run)
-                update = feed.poll(node)
-                last_ok = time.monotonic()
-                if hook is not None:
-                    hook.seen(node)
-            except RemoteError as exc:
-                if node is not None:
-                    node.close()
-                node = None
-                if hook is not None:
-                    hook.unreachable(time.monotonic() - last_ok, exc)
-                if time.monotonic() - last_ok > reconnect_s:
-                    raise GpuctlError(
-                        f"lost the connection to run {run.run_id}: {exc.message}",
-                        "check the node, then `gpuctl logs -f` to reattach",
-                    ) from None
-                time.sleep(2)
+            update = link.read(feed.poll)
+            if update is None:
                 continue
             st.apply(update)
             sink.update(st, update)
@@ -239,5 +220,4 @@ def watch(
                 return st
             time.sleep(poll_s)
     finally:
-        if node is not None:
-            node.close()
+        link.close()

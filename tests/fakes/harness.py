@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -24,6 +25,29 @@ def node_fields(tmp: Path, ranks: int = 3) -> dict:
     """Provider fields that make the loopback sshd a usable node: this venv's python, a scratch
     workdir, and CPU ranks (the stand-in has no GPU: its nvidia-smi is absent)."""
     return {"python": sys.executable, "workdir": str(tmp / "node"), "cpu_ranks_fallback": ranks, "ready_timeout": 120}
+
+
+def saved_run(cluster: str, run_id: str, *, pgid: int = 999999, run_dir: str = "/nowhere") -> Any:
+    """A run recorded as running on the cluster (4 steps of batch 12 on 3 ranks), saved in the state
+    dir: what `down`, `status` and recovery find without a training run behind it. pgid: the
+    process group a `cancel` signals (999999: none)."""
+    from provision.core import state
+
+    run = state.RunRecord(
+        run_id=run_id,
+        cluster=cluster,
+        run_dir=run_dir,
+        bundle_dir="/nowhere",
+        world_size=3,
+        train_batch_size=12,
+        micro_batch=1,
+        grad_accum=4,
+        max_steps=4,
+        state="running",
+        pgid=pgid,
+    )
+    state.save_run(run)
+    return run
 
 
 def write_config(project: Path, provider: dict, *, name: str, teardown: str = "never", **train) -> Path:
