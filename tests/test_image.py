@@ -143,7 +143,9 @@ def test_build_ship_run_in_docker_and_skip_the_second_ship(
     local_id = laptop.image_id("gpuctl-test:1")
     assert local_id and node_docker.image_id("gpuctl-test:1") is None
 
-    out = ok(runner.invoke(app, ["up", "-c", str(cfg), "-y"]))  # up ships the image: docker save | ssh | load
+    # up ships the image: docker save | ssh | load. --skip-doctor: this stub image has no torch, so the
+    # quick checks would rightly fail it (test_trainer_image_e2e runs them inside the real image).
+    out = ok(runner.invoke(app, ["up", "-c", str(cfg), "-y", "--skip-doctor"]))
     assert "sending gpuctl-test:1" in out and node_docker.image_id("gpuctl-test:1") == local_id
 
     result = runner.invoke(app, ["train", "-c", str(cfg)])  # ships again? no: same image ID there
@@ -193,7 +195,7 @@ def test_failed_and_cancelled_runs_in_containers(tmp_path, laptop, node_sshd, no
 
     cfg = project(tmp_path, node_sshd, env={"GPUCTL_TEST_EXIT": "3"})
     ok(runner.invoke(app, ["image", "build", "-c", str(cfg)]))
-    ok(runner.invoke(app, ["up", "-c", str(cfg), "-y"]))
+    ok(runner.invoke(app, ["up", "-c", str(cfg), "-y", "--skip-doctor"]))  # a stub image without torch
     try:
         result = runner.invoke(app, ["train", "-c", str(cfg)])
         assert result.exit_code == 3, result.output  # the container's exit code is the run's
