@@ -148,7 +148,7 @@ def test_build_ship_run_in_docker_and_skip_the_second_ship(
     out = ok(runner.invoke(app, ["up", "-c", str(cfg), "-y", "--skip-doctor"]))
     assert "sending gpuctl-test:1" in out and node_docker.image_id("gpuctl-test:1") == local_id
 
-    result = runner.invoke(app, ["train", "-c", str(cfg)])  # ships again? no: same image ID there
+    result = runner.invoke(app, ["train", "-c", str(cfg), "-v"])  # ships again? no: same image ID there (-v: job.log)
     out = ok(result)
     assert "skipping the transfer" in out
     assert "stub launcher: in container=True" in out

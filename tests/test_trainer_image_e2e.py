@@ -46,7 +46,9 @@ class Booter:
         return SshTarget(address="127.0.0.1", port=self.port, authorized_keys=self.keys_dir / "authorized_keys")
 
     def boot(self, instance: str, *argv: str) -> None:
-        out = self.image.engine.docker("run", "-d", "--network", "host", *argv)
+        # --shm-size: a rented container's /dev/shm is sized for training, not docker's 64 MB default
+        # (the quick checks of `up` fail a node below 1 GB, as NCCL and the data loader would).
+        out = self.image.engine.docker("run", "-d", "--network", "host", "--shm-size", "1g", *argv)
         self.containers[instance] = out.stdout.decode().strip()
 
     def remove(self, instance: str) -> None:
