@@ -18,6 +18,26 @@ REPO = Path(__file__).resolve().parents[1]
 # gpuctl as a subprocess; for a Popen of a long-running command. Everything else: run_gpuctl.
 GPUCTL = [sys.executable, "-m", "provision.cli"]
 
+# The loss of an exported Hugging Face folder on one global batch of a run (argv: HF_DIR RUN_DIR
+# STEP): run with the node-side python, it checks an export against the loss the run logged.
+LOSS_ON_BATCH = """
+import json, sys
+from pathlib import Path
+import torch, torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trainer.dataset import PackedTokens, Sampler
+hf, run_dir, step = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+tokenizer = AutoTokenizer.from_pretrained(hf)
+model = AutoModelForCausalLM.from_pretrained(hf).eval()
+train = json.loads((run_dir / "run.json").read_text())["train"]
+batch = train["micro_batch"] * train["grad_accum"] * 3
+data = PackedTokens(next((run_dir / "cache").glob("tokens-*.bin")), len(tokenizer), train["seq_len"])
+inputs, targets = data.batch(Sampler(data.num_samples, train["seed"]).global_batch(step * batch, batch))
+with torch.no_grad():
+    logits = model(input_ids=inputs).logits
+print(F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1)).item())
+"""
+
 
 def free_port(*also: str) -> int:
     """A TCP port free on 127.0.0.1 and, when given, on every address in ``also`` (the loopback

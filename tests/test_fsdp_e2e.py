@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from tests import test_trainer_helpers as h
-from tests.helpers import REPO, Gpuctl
+from tests.helpers import LOSS_ON_BATCH, REPO, Gpuctl
 
 pytestmark = pytest.mark.slow
 STEPS, EVERY, SEQ = 6, 3, 64
@@ -111,23 +111,3 @@ def test_local_fsdp_trains_resumes_from_the_store_and_exports(project, gpuctl: G
     assert report.returncode == 0, report.stderr
     assert "| fsdp |" in report.stdout
     assert gpuctl("down").returncode == 0
-
-
-# from_pretrained(HF folder) -> the mean loss over the global batch after `step` optimizer steps
-LOSS_ON_BATCH = """
-import json, sys
-from pathlib import Path
-import torch, torch.nn.functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer
-from trainer.dataset import PackedTokens, Sampler
-hf, run_dir, step = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
-tokenizer = AutoTokenizer.from_pretrained(hf)
-model = AutoModelForCausalLM.from_pretrained(hf).eval()
-train = json.loads((run_dir / "run.json").read_text())["train"]
-batch = train["micro_batch"] * train["grad_accum"] * 3
-data = PackedTokens(next((run_dir / "cache").glob("tokens-*.bin")), len(tokenizer), train["seq_len"])
-inputs, targets = data.batch(Sampler(data.num_samples, train["seed"]).global_batch(step * batch, batch))
-with torch.no_grad():
-    logits = model(input_ids=inputs).logits
-print(F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1)).item())
-"""

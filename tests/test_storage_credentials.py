@@ -16,7 +16,7 @@ from provision.core import state
 from provision.core.config import GpuctlConfig
 from provision.core.credentials import storage_credentials
 from provision.core.errors import ConfigError, NotFoundError
-from provision.flows import job
+from provision.flows import job, resume
 from provision.flows.render import NODE_ENV, launcher_argv, render_bundle
 
 MARKER = "SECRETmarker0123456789abcdefSECRET"
@@ -198,20 +198,20 @@ def test_resume_check_world_size_and_missing(tmp_path):
     cfg = config({"url": str(tmp_path / "store")})
     lines: list[str] = []
     with pytest.raises(NotFoundError, match="no complete checkpoint in"):
-        job.check_resume(cfg, _cluster(3), "latest", lines.append)
+        resume.check_resume(cfg, _cluster(3), "latest", lines.append)
     _store_with(tmp_path, {"step4": 3, "step8": 3})
-    job.check_resume(cfg, _cluster(3), "latest", lines.append)
+    resume.check_resume(cfg, _cluster(3), "latest", lines.append)
     assert lines[-1].startswith("resuming from step8 (step 8)")
     with pytest.raises(ConfigError, match="saved by 3 ranks but cluster c has 2") as err:
-        job.check_resume(cfg, _cluster(2), "step4", lines.append)
+        resume.check_resume(cfg, _cluster(2), "step4", lines.append)
     assert "--hf" in err.value.one_line()
-    job.check_resume(cfg, _cluster(3), "step6", lines.append)  # not there: the node falls back
+    resume.check_resume(cfg, _cluster(3), "step6", lines.append)  # not there: the node falls back
     assert lines[-2] == f"checkpoint step6 is not complete in {cfg.storage_url()}; the node will fall back to step4"
     with pytest.raises(NotFoundError):
-        job.check_resume(cfg, _cluster(3), "step2", lines.append)
+        resume.check_resume(cfg, _cluster(3), "step2", lines.append)
     with pytest.raises(ConfigError, match="invalid checkpoint tag"):
-        job.check_resume(cfg, _cluster(3), "../x", lines.append)
-    job.check_resume(cfg, _cluster(3), None, lines.append)  # fresh run: nothing to check
+        resume.check_resume(cfg, _cluster(3), "../x", lines.append)
+    resume.check_resume(cfg, _cluster(3), None, lines.append)  # fresh run: nothing to check
 
 
 def test_export_without_a_checkpoint_is_one_line(tmp_path):

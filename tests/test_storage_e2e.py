@@ -26,7 +26,7 @@ import yaml
 
 from tests import test_trainer_helpers as helpers
 from tests.fakes.harness import wait_until
-from tests.helpers import GPUCTL, REPO, Gpuctl
+from tests.helpers import GPUCTL, LOSS_ON_BATCH, REPO, Gpuctl
 from tests.s3server import LatestWatcher, MotoS3, venv_bin
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -360,25 +360,6 @@ def test_pull_hf_folder_loads_and_matches_the_trained_loss(reference, tmp_path):
     loss = float(check.stdout.split()[-1])
     assert abs(loss - ref.losses[EVERY + 1]) < 1e-5, (loss, ref.losses)
     assert abs(loss - ref.losses[EVERY]) > 1e-3  # a wrong checkpoint (or batch) would not match
-
-
-LOSS_ON_BATCH = """
-import json, sys
-from pathlib import Path
-import torch, torch.nn.functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer
-from trainer.dataset import PackedTokens, Sampler
-hf, run_dir, step = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
-tokenizer = AutoTokenizer.from_pretrained(hf)
-model = AutoModelForCausalLM.from_pretrained(hf).eval()
-train = json.loads((run_dir / "run.json").read_text())["train"]
-batch = train["micro_batch"] * train["grad_accum"] * 3
-data = PackedTokens(next((run_dir / "cache").glob("tokens-*.bin")), len(tokenizer), train["seq_len"])
-inputs, targets = data.batch(Sampler(data.num_samples, train["seed"]).global_batch(step * batch, batch))
-with torch.no_grad():
-    logits = model(input_ids=inputs).logits
-print(F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1)).item())
-"""
 
 
 def test_pull_shows_a_progress_bar_with_speed(reference, tmp_path):
