@@ -38,8 +38,9 @@ from provision.core.errors import NoOfferError, ProviderError
 from provision.core.provider_config import CloudProvider, RunPodProvider
 from provision.core.state import ClusterRecord
 from provision.providers.base import Offer, SelfTeardown
-from provision.providers.cloud import CloudBackend, Instance, budget_hours, http_teardown, node_last
+from provision.providers.cloud import CloudBackend, Instance, budget_hours
 from provision.providers.http import ApiRefused, JsonApi, load_key
+from provision.providers.teardown import http_teardown, node_last
 
 API_URL = "https://api.runpod.io/graphql"
 KEY_ENV = "RUNPOD_API_KEY"

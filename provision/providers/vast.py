@@ -34,8 +34,9 @@ from provision.core.errors import ProviderError
 from provision.core.provider_config import CloudProvider, VastProvider
 from provision.core.state import ClusterRecord
 from provision.providers.base import Offer, SelfTeardown
-from provision.providers.cloud import CloudBackend, Instance, http_teardown, node_last
+from provision.providers.cloud import CloudBackend, Instance
 from provision.providers.http import ApiNotFound, JsonApi, load_key
+from provision.providers.teardown import http_teardown, node_last
 
 API_URL = "https://console.vast.ai"
 KEY_ENV = "VAST_API_KEY"
