@@ -99,3 +99,13 @@ def test_help_imports_nothing_heavy():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert "LOADED:\n" in out.stdout + "\n" and "Commands" in out.stdout, out.stdout[-500:]
+
+
+MAX_LINES = 400  # the charter's file size: split a longer module on its natural seam
+
+
+def test_laptop_side_modules_stay_under_the_size_limit():
+    long = {
+        str(p.relative_to(ROOT)): n for p in provision_modules() if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}, f"split these modules (over {MAX_LINES} lines): {long}"

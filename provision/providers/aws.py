@@ -8,11 +8,11 @@
 - create: run_instances with the newest AMI named provider.ami_name (describe_images Owners/
   Filters) unless ami_id is given; the cluster's key pair (its public key imported as
   gpuctl-<cluster>; with key_name, that pair plus the cluster key via cloud-init user data); a
-  security group gpuctl-<cluster> opening 22 to provider.ssh_cidr only (default: your public
-  IP/32) and every port to the group's own members (pdsh and NCCL between nodes, over their
-  private addresses); InstanceInitiatedShutdownBehavior="terminate" so `shutdown -h now` on the
-  node ends it (self-teardown, budget cap; `shutdown -h +N` is the cap's backstop on every
-  node); tags gpuctl-cluster=<name> on instance and volume.
+  security group gpuctl-<cluster> opening 22 to provider.ssh_cidr only and every port to the
+  group's own members (key pair and group: aws_network.py);
+  InstanceInitiatedShutdownBehavior="terminate" so `shutdown -h now` on the node ends it
+  (self-teardown, budget cap; `shutdown -h +N` is the cap's backstop on every node);
+  tags gpuctl-cluster=<name> on instance and volume.
 - ready: running with a public IP (polled to a deadline), then an SSH banner (cloud.py).
 - terminate: terminate_instances; list: describe_instances by tag; the group and key pair go
   once the instances are terminated.
@@ -26,15 +26,15 @@ from __future__ import annotations
 
 import os
 import shlex
-import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 from provision.core.errors import AuthError, ConfigError, NoOfferError, ProviderError
 from provision.core.provider_config import AWSProvider, CloudProvider
 from provision.core.state import ClusterRecord, NodeRecord
+from provision.providers import aws_network as network
+from provision.providers.aws_network import ignoring
 from provision.providers.base import Offer, SelfTeardown
 from provision.providers.cloud import CloudBackend, Instance
 
@@ -75,7 +75,6 @@ CAPACITY_CODES = {
 }
 ACTIVE_STATES = ["pending", "running", "stopping", "stopped", "shutting-down"]
 FAILED = ("shutting-down", "terminated", "stopping", "stopped")
-_T = TypeVar("_T")
 
 
 def ec2(region: str | None, endpoint_url: str | None) -> Any:
@@ -115,35 +114,6 @@ def aws_errors(what: str) -> Iterator[None]:
         raise ProviderError(f"AWS {what}: {code}: {message}") from None
     except BotoCoreError as exc:
         raise ProviderError(f"AWS {what}: {exc}", "check the network and provider.region / api_url") from None
-
-
-def _client_error_code(exc: BaseException) -> str:
-    code: str = getattr(exc, "response", {}).get("Error", {}).get("Code", "")
-    return code
-
-
-def ignoring(codes: set[str], call: Callable[..., _T], **kwargs: Any) -> _T | None:
-    """call(**kwargs), with an AWS error whose code is in `codes` answered as None."""
-    from botocore.exceptions import ClientError
-
-    try:
-        return call(**kwargs)
-    except ClientError as exc:
-        if _client_error_code(exc) in codes:
-            return None
-        raise
-
-
-def caller_cidr() -> str:
-    try:
-        with urllib.request.urlopen("https://checkip.amazonaws.com", timeout=10) as resp:
-            ip = resp.read().decode().strip()
-    except OSError:
-        raise ConfigError(
-            "could not find your public IP for the SSH security group rule",
-            "set provider.ssh_cidr, e.g. 203.0.113.7/32",
-        ) from None
-    return f"{ip}/32"
 
 
 def shutdown_argv(user: str | None, when: str) -> list[str]:
@@ -215,48 +185,13 @@ class AWSBackend(CloudBackend):
     def prepare(self, prov: CloudProvider, cluster: ClusterRecord, public_key: str) -> None:
         assert isinstance(prov, AWSProvider)
         client = self.client(cluster)
-        cidr = prov.ssh_cidr or caller_cidr()
+        cidr = prov.ssh_cidr or network.caller_cidr()
         name = f"gpuctl-{cluster.name}"
         with aws_errors("create the key pair and security group"):
             if not prov.key_name:
-                self._delete_key_pair(client, name)
-                client.import_key_pair(
-                    KeyName=name,
-                    PublicKeyMaterial=public_key.encode(),
-                    TagSpecifications=[{"ResourceType": "key-pair", "Tags": _tags(cluster.name)}],
-                )
-            group_id = self._group_id(client, name)
-            if group_id is None:
-                group_id = client.create_security_group(
-                    GroupName=name,
-                    Description=f"gpuctl cluster {cluster.name}: SSH from {cidr}",
-                    TagSpecifications=[{"ResourceType": "security-group", "Tags": _tags(cluster.name)}],
-                )["GroupId"]
-            ignoring(
-                {"InvalidPermission.Duplicate"},
-                client.authorize_security_group_ingress,
-                GroupId=group_id,
-                IpPermissions=[
-                    {
-                        "IpProtocol": "tcp",
-                        "FromPort": 22,
-                        "ToPort": 22,
-                        "IpRanges": [{"CidrIp": cidr, "Description": "gpuctl ssh"}],
-                    }
-                ],
-            )
-            # The cluster's own members reach each other on every port: pdsh's SSH, the rendezvous
-            # (MASTER_PORT) and NCCL's sockets. Only members of this group; over private addresses.
-            ignoring(
-                {"InvalidPermission.Duplicate"},
-                client.authorize_security_group_ingress,
-                GroupId=group_id,
-                IpPermissions=[
-                    {
-                        "IpProtocol": "-1",
-                        "UserIdGroupPairs": [{"GroupId": group_id, "Description": "gpuctl cluster nodes"}],
-                    }
-                ],
+                network.import_key_pair(client, name, public_key, _tags(cluster.name))
+            network.open_security_group(
+                client, name, cidr, f"gpuctl cluster {cluster.name}: SSH from {cidr}", _tags(cluster.name)
             )
 
     def _ami(self, client: Any, prov: AWSProvider) -> tuple[str, str]:
@@ -289,7 +224,7 @@ class AWSBackend(CloudBackend):
             MinCount=1,
             MaxCount=1,
             KeyName=prov.key_name or name,
-            SecurityGroupIds=[self._group_id(client, name)],
+            SecurityGroupIds=[network.group_id(client, name)],
             InstanceInitiatedShutdownBehavior="terminate",
             ClientToken=label[:64],  # botocore's retries of this call create one instance
             BlockDeviceMappings=[
@@ -352,18 +287,8 @@ class AWSBackend(CloudBackend):
 
     def release(self, cluster: ClusterRecord, say: Callable[[str], None]) -> None:
         """Delete the security group and the imported key pair (free, but not ours to leave)."""
-        client = self.client(cluster)
-        name = f"gpuctl-{cluster.name}"
-        deadline = time.monotonic() + 120
         with aws_errors("delete the security group and key pair"):
-            self._delete_key_pair(client, name)
-            while (group_id := self._group_id(client, name)) is not None:
-                # A terminating instance still holds the group (DependencyViolation): wait for it.
-                if ignoring({"DependencyViolation"}, client.delete_security_group, GroupId=group_id) is None:
-                    if time.monotonic() > deadline:
-                        say(f"warning: security group {group_id} is still in use; delete it later")
-                        return
-                    time.sleep(5)
+            network.delete_key_pair_and_group(self.client(cluster), f"gpuctl-{cluster.name}", say)
 
     def self_teardown(self, cluster: ClusterRecord) -> SelfTeardown | None:
         """`shutdown -h now` with InstanceInitiatedShutdownBehavior=terminate: the node ends itself.
@@ -392,15 +317,6 @@ class AWSBackend(CloudBackend):
     def backstop(self, cluster: ClusterRecord, node: NodeRecord, minutes: int) -> list[str] | None:
         """`shutdown -h +N` on every node: terminated by EC2 even if the budget guard is gone."""
         return shutdown_argv(node.user, f"+{int(minutes)}")
-
-    @staticmethod
-    def _group_id(client: Any, name: str) -> str | None:
-        groups = client.describe_security_groups(Filters=[{"Name": "group-name", "Values": [name]}])
-        return groups["SecurityGroups"][0]["GroupId"] if groups["SecurityGroups"] else None
-
-    @staticmethod
-    def _delete_key_pair(client: Any, name: str) -> None:
-        ignoring({"InvalidKeyPair.NotFound"}, client.delete_key_pair, KeyName=name)
 
 
 BACKEND = AWSBackend()
