@@ -21,8 +21,10 @@ PY="${PYTHON:-python}"
 if ! "$PY" -c "import torch" 2>/dev/null; then "$PY" -m pip install -q torch==2.13.0; fi
 "$PY" -m pip install -q -e '.[train,test]'
 
-# DeepSpeed JIT-compiles its CPU ops on first use; keep them between runs.
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/gpuctl/torch_extensions}"
+# DeepSpeed JIT-compiles its CPU ops on first use; keep them between runs, one folder per venv
+# (as launch.sh does): two venvs sharing one folder rebuild each other's ops, 1-4 min each time.
+OPS_KEY=$("$PY" -c 'import hashlib, sys; print(hashlib.sha256(sys.prefix.encode()).hexdigest()[:12])')
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/gpuctl/torch_extensions/$OPS_KEY}"
 # A build killed half way leaves its `lock` file, and every later load waits on it for ever.
 find "$TORCH_EXTENSIONS_DIR" -name lock -mmin +30 -delete 2>/dev/null || true
 # Build them once, in one process, before any test starts ranks (3 ranks compiling at once

@@ -44,6 +44,7 @@ def prepare_process(env: DistEnv) -> None:
     trainer.pinning); one line per rank says what it got."""
     from trainer import hostenv, pinning
 
+    hostenv.env_tools_first()  # the environment's own ninja builds DeepSpeed's ops (see there)
     threads = hostenv.bind_threads()
     pinning.pin_env()
     if threads:

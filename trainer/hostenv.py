@@ -15,6 +15,7 @@ Pinned memory: see trainer.pinning.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -95,3 +96,23 @@ def _ranges(cpus: list[int]) -> str:
         else:
             out.append(str(c))
     return ",".join(out)
+
+
+def env_tools_first(environ: dict[str, str] | None = None, executable: str = sys.executable) -> bool:
+    """Put this Python environment's bin folder first on PATH when it holds a `ninja`.
+
+    torch JIT-builds DeepSpeed's ops with the first `ninja` on PATH. A rank started over ssh or pdsh
+    gets the login PATH, which finds the system's ninja (here 1.11, build log v5) where a local rank
+    finds the venv's (pip ninja 1.13, log v7). Each version discards the other's build log and
+    rebuilds every op in the shared TORCH_EXTENSIONS_DIR (1-4 minutes of compiling, with every other
+    rank waiting on the build lock). One ninja per environment keeps the cache built. Returns
+    whether PATH changed."""
+    env = os.environ if environ is None else environ
+    bin_dir = os.path.dirname(executable)
+    if not os.access(os.path.join(bin_dir, "ninja"), os.X_OK):
+        return False
+    path = env.get("PATH", "").split(os.pathsep)
+    if path and path[0] == bin_dir:
+        return False
+    env["PATH"] = os.pathsep.join([bin_dir, *(p for p in path if p and p != bin_dir)])
+    return True
