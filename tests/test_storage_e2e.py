@@ -52,7 +52,8 @@ def cli_env(home: Path, state: Path) -> dict[str, str]:
         GPUCTL_STATE_DIR=str(state),
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
-        TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"),
+        # the suite's op cache (tests/run.sh builds it first): a folder of its own would build both ops again
+        TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions")),
     )
     return env
 
