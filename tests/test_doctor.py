@@ -18,7 +18,7 @@ from tests.helpers import Gpuctl
 EXTENSIONS = os.environ.get(
     "TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions")
 )
-GPU_CHECKS = {"GPUs", "driver / CUDA", "ECC errors", "PCIe link", "P2P topology"}
+GPU_CHECKS = {"GPUs", "driver / CUDA", "ECC errors", "Xid errors", "PCIe link", "P2P topology"}
 
 
 @pytest.fixture

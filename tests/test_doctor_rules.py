@@ -120,9 +120,10 @@ def test_cpu_nodes_mark_every_gpu_check_na():
     gpu = {
         r.check: r.status
         for r in rows
-        if r.check in ("GPUs", "driver / CUDA", "ECC errors", "PCIe link", "P2P topology", "docker --gpus all")
+        if r.check
+        in ("GPUs", "driver / CUDA", "ECC errors", "Xid errors", "PCIe link", "P2P topology", "docker --gpus all")
     }
-    assert gpu == dict.fromkeys(gpu, "n/a") and len(gpu) == 6
+    assert gpu == dict.fromkeys(gpu, "n/a") and len(gpu) == 7
 
 
 def test_host_rules_ram_shm_disk_clock():
@@ -151,3 +152,20 @@ def test_host_rules_ram_shm_disk_clock():
     assert rows["disk (checkpoints)"].status == "fail" and "keep_local" in rows["disk (checkpoints)"].fix
     assert rows["CPU cores"].status == "pass"
     assert rows["clock offset"].status == "fail" and "+400" in rows["clock offset"].value
+
+
+def eight(xml: str) -> str:
+    """An 8-GPU report made of the capture's one <gpu> (the A100 capture kept one of its four)."""
+    gpu = xml[xml.index("<gpu ") : xml.index("</nvidia_smi_log>")]
+    return xml.replace("</nvidia_smi_log>", "") + gpu * 7 + "</nvidia_smi_log>"
+
+
+def test_h100_topology_is_nvlink_everywhere_and_nccl_p2p_must_stay_on():
+    links = nvsmi.parse_topology(read("topo-8x-h100-sxm-nv18.txt"))
+    assert len(links) == 28 and set(links.values()) == {"NV18"}
+    assert nvsmi.worst_link(links) == "NV18" and nvsmi.path_kind("NV18") == "NVLink"
+    facts = gpu_facts(eight(read("a100-sxm4-v12.xml")), topo=read("topo-8x-h100-sxm-nv18.txt"))
+    ok = rows_of(facts, ranks=8)["P2P topology"][0]
+    assert ok.status == "pass" and ok.value == "worst pair NV18 (NVLink); 28 of 28 pairs over NVLink"
+    off = rows_of(facts, ranks=8, rank_env={"NCCL_P2P_DISABLE": "1"})["P2P topology"][0]
+    assert off.status == "warn" and "turns these NVLinks off" in off.fix

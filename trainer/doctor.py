@@ -28,6 +28,8 @@ from typing import Any
 SMI_TIMEOUT_S = 30
 SMI_MAX_BYTES = 8 << 20  # an nvidia-smi XML of 8 GPUs is ~600 KB; more is not nvidia-smi's
 SHM_ENV = "GPUCTL_SHM_DIR"  # where the ranks' shared memory lives (default /dev/shm)
+XID_MARK = "NVRM: Xid"  # how the NVIDIA driver prefixes a GPU fault in the kernel log
+MAX_XID_LINES = 200  # the newest ones; a flapping GPU can log thousands
 
 
 def _meminfo() -> dict[str, int]:
@@ -87,12 +89,36 @@ def _run(argv: list[str]) -> dict[str, Any]:
     return {"text": out.stdout.decode("utf-8", "replace")}
 
 
+def kernel_xids() -> dict[str, Any]:
+    """The driver's `NVRM: Xid` lines since boot: dmesg, else journalctl -k. Unprivileged containers
+    often may read neither (kernel.dmesg_restrict, no journal): then the error says so."""
+    errors = []
+    for argv in (["dmesg"], ["journalctl", "-k", "-b", "--no-pager", "-q"]):
+        if not shutil.which(argv[0]):
+            errors.append(f"{argv[0]}: not installed")
+            continue
+        try:
+            out = subprocess.run(argv, capture_output=True, timeout=SMI_TIMEOUT_S)
+        except (OSError, subprocess.SubprocessError) as exc:
+            errors.append(f"{argv[0]}: {exc}")
+            continue
+        text = out.stdout.decode("utf-8", "replace")
+        if out.returncode != 0 or not text.strip():  # an empty kernel log is one we may not read
+            why = out.stderr.decode("utf-8", "replace").strip().splitlines()
+            errors.append(f"{argv[0]}: {why[-1][:150] if why else f'exit {out.returncode}, no output'}")
+            continue
+        lines = [line for line in text.splitlines() if XID_MARK in line]
+        return {"source": argv[0], "lines": lines[-MAX_XID_LINES:], "count": len(lines)}
+    return {"error": "; ".join(errors)}
+
+
 def gpu_facts(accelerator: str) -> dict[str, Any]:
     if not shutil.which("nvidia-smi"):
         return {"present": False}
     facts: dict[str, Any] = {"present": True, "query": _run(["nvidia-smi", "-q", "-x"])}
     if accelerator == "cuda":
         facts["topo"] = _run(["nvidia-smi", "topo", "-m"])
+        facts["xid"] = kernel_xids()
     return facts
 
 

@@ -10,13 +10,13 @@ import re
 from typing import Any
 
 from provision.core.checks import Status
-from provision.estimate import nvsmi
+from provision.estimate import nvsmi, xid
 from provision.estimate.doctor import Needs, Rows, get
 
 RTX40 = re.compile(r"RTX 40\d0")
 
 # --- GPUs --------------------------------------------------------------------------------------
-GPU_CHECKS = ("GPUs", "driver / CUDA", "ECC errors", "PCIe link", "P2P topology")
+GPU_CHECKS = ("GPUs", "driver / CUDA", "ECC errors", "Xid errors", "PCIe link", "P2P topology")
 
 
 def gpu_rows(out: Rows, facts: dict[str, Any], needs: Needs) -> None:
@@ -55,6 +55,7 @@ def gpu_rows(out: Rows, facts: dict[str, Any], needs: Needs) -> None:
             "fail" if bad else "pass",
             "a GPU with uncorrectable memory errors corrupts training: rent another node" if bad else "",
         )
+    _xid_row(out, facts)
     for gpu in report.gpus:
         _link_row(out, gpu)
     _topology_row(out, facts, report, needs)
@@ -147,10 +148,22 @@ def _topology_row(out: Rows, facts: dict[str, Any], report: nvsmi.SmiReport, nee
             "overrides from gpuctl.yaml env (gpuctl sets both to 1)",
         )
         return
+    nvlink = sum(cell.startswith("NV") for cell in links.values())
+    value = f"worst pair {worst} ({nvsmi.path_kind(worst)}); {nvlink} of {len(links)} pairs over NVLink"
+    if nvlink and needs.rank_env.get("NCCL_P2P_DISABLE") == "1":
+        out.add(
+            "P2P topology",
+            value,
+            "NCCL P2P on (NCCL_P2P_DISABLE unset)",
+            "warn",
+            "NCCL_P2P_DISABLE=1 in gpuctl.yaml env turns these NVLinks off for NCCL (it copies through host "
+            "memory instead): remove it",
+        )
+        return
     status: Status = "warn" if worst == "SYS" else "pass"
     out.add(
         "P2P topology",
-        f"worst pair {worst}",
+        value,
         "NVLink, or PCIe within one CPU socket",
         status,
         ""
@@ -158,6 +171,26 @@ def _topology_row(out: Rows, facts: dict[str, Any], report: nvsmi.SmiReport, nee
         else "some GPUs sit on different CPU sockets: the all-reduce crosses the socket link "
         "(expect lower bus bandwidth), prefer a node with the GPUs on one socket",
     )
+
+
+def _xid_row(out: Rows, facts: dict[str, Any]) -> None:
+    log = get(facts, "gpu", "xid")
+    lines = get(log, "lines")
+    expected = "no hardware Xid since boot"
+    if not isinstance(lines, list):
+        why = str(get(log, "error") or "not collected")[:200]
+        fix = "read it as root on the node: `sudo dmesg | grep Xid` (or `journalctl -k | grep Xid`)"
+        out.add("Xid errors", f"kernel log not readable: {why}", expected, "warn", fix)
+        return
+    events = xid.parse_log("\n".join(str(line) for line in lines))
+    critical = [e for e in events if e.critical]
+    if critical:
+        out.add("Xid errors", xid.summary(events)[:300], expected, "fail", xid.fixes(critical))
+    elif events:
+        why = "these follow a program's own faults (a kernel's bad access): the node is fine unless they repeat"
+        out.add("Xid errors", xid.summary(events)[:300], expected, "warn", why)
+    else:
+        out.add("Xid errors", f"none since boot ({get(log, 'source')})", expected, "pass")
 
 
 def slowest_link(facts: dict[str, Any]) -> float | None:

@@ -142,6 +142,19 @@ def parse_topology(text: str) -> dict[tuple[int, int], str]:
     return links
 
 
+def path_kind(cell: str) -> str:
+    """What a `topo -m` cell means for NCCL's peer-to-peer path between the two GPUs."""
+    if cell.startswith("NV"):
+        return "NVLink"
+    return {
+        "PIX": "PCIe switch",
+        "PXB": "PCIe switches",
+        "PHB": "PCIe host bridge",
+        "NODE": "PCIe host bridges",
+        "SYS": "CPU socket link",
+    }.get(cell, "?")
+
+
 def worst_link(links: dict[tuple[int, int], str]) -> str | None:
     """The farthest connection between any two GPUs (the ring's slowest hop is on it)."""
 

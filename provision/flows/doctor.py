@@ -75,8 +75,10 @@ def _request(cfg: GpuctlConfig, node: state.NodeRecord, needs: Needs, quick: boo
     }
 
 
-def _argv(cfg: GpuctlConfig, cluster: state.ClusterRecord, node: state.NodeRecord, folder: str) -> list[str]:
-    """python -m trainer.doctor with the shipped package first on the path; in the image under runtime docker."""
+def _argv(
+    cfg: GpuctlConfig, cluster: state.ClusterRecord, node: state.NodeRecord, folder: str, module: str = "trainer.doctor"
+) -> list[str]:
+    """python -m MODULE with the shipped package first on the path; in the image under runtime docker."""
     if cluster.runtime == "docker":
         from provision.flows.docker import DockerRun
         from provision.providers.base import DEFAULT_IMAGE, IMAGE_PYTHON
@@ -94,8 +96,8 @@ def _argv(cfg: GpuctlConfig, cluster: state.ClusterRecord, node: state.NodeRecor
             env_values={"PYTHONPATH": f"{folder}/lib", "TORCH_EXTENSIONS_DIR": f"{cache}/torch_extensions"},
             extra_args=["-i", *cfg.docker.run_args],
         )
-        return [*run.argv(), IMAGE_PYTHON, "-m", "trainer.doctor"]
-    argv = ["env", f"PYTHONPATH={folder}/lib", cluster.python, "-m", "trainer.doctor"]
+        return [*run.argv(), IMAGE_PYTHON, "-m", module]
+    argv = ["env", f"PYTHONPATH={folder}/lib", cluster.python, "-m", module]
     setup = getattr(cfg.provider, "setup", None)
     return ["bash", "-c", f'{setup}\nexec "$@"', "gpuctl", *argv] if setup else argv
 
@@ -180,6 +182,11 @@ def run_checks(
         try:
             for rec, node in zip(cluster.nodes, nodes, strict=True):
                 rows += check_node(cfg, cluster, rec, node, Path(tmp), quick)
+            if not quick and len(nodes) > 1:  # the package is on every node now
+                from provision.flows.doctor_internode import internode_check
+
+                say(f"all-reduce across {len(nodes)} nodes")
+                rows.append(internode_check(cfg, cluster, nodes))
         finally:
             for node in nodes:
                 node.close()
