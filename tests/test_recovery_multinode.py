@@ -83,7 +83,7 @@ def test_no_replacement_offer_gives_the_whole_cluster_path(project, fake, tmp_pa
     said: list[str] = []
     assert replace_node.replace_lost_nodes(cfg, run, record, [1], {"51003"}, said.append) is None
     assert "replacing the whole cluster" in said[-1] and sorted(fake.instances) == [7000001]
-    with pytest.raises(recover.GpuctlError, match="recovery failed: no vast offer matches"):  # 2 needed, 1 left
+    with pytest.raises(recover.GpuctlError, match="recovery failed: only 1 Vast.ai offer"):  # 1001; 1003 was lost
         recover.recover(cfg, run, "instance 7000002 was preempted", said.append)
     assert not fake.instances and state.find_cluster("vast-two") is None
 

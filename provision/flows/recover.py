@@ -151,10 +151,10 @@ def follow(cfg: GpuctlConfig, run: state.RunRecord, view: View, say: Callable[[s
         else:
             if status.state not in ("lost", "failed"):  # a lost peer node can fail the ranks that remain
                 return status
-            found = vendor_trouble(cluster).reason  # the run died: with its node, or alone?
-            if found is None:
-                return status
-            reason = found
+            found = vendor_trouble(cluster)  # the run died: with its node, or alone?
+            if found.reason is None or (found.gone and (at_cap(cluster) or cfg.teardown == "after-train")):
+                return status  # alone (a node that deleted itself after the run or at its cap is no loss)
+            reason = found.reason
         run = recover(cfg, run, reason, say)
 
 
@@ -188,12 +188,13 @@ def recover(cfg: GpuctlConfig, run: state.RunRecord, reason: str, say: Callable[
     assert isinstance(prov, CloudProvider)  # recovery follows cloud clusters only
     if (prov.max_hours and hours >= prov.max_hours) or (prov.max_cost and cost >= prov.max_cost):
         give_up(run, f"{reason}; the budget cap is spent ({hours:.2f} h, ${cost:.2f})", say)
-    lost_hosts = {n.host_id for n in old.nodes if n.host_id}
-    lost_hosts |= {host for e in run.restarts for host in e.old_host.split(",") if host}
     old_ids = ",".join(n.instance_id or "?" for n in old.nodes)
-    exclude = lost_hosts if cfg.recovery.exclude_lost_hosts else set()
     try:
-        new = _replace_nodes(cfg, run, old, exclude, say)
+        named = _named_lost(old)  # several nodes: the ones the vendor says are lost ([]: all of them)
+        lost_hosts = {n.host_id for n in ([old.nodes[i] for i in named] or old.nodes) if n.host_id}
+        lost_hosts |= {host for e in run.restarts for host in e.old_host.split(",") if host}
+        exclude = lost_hosts if cfg.recovery.exclude_lost_hosts else set()
+        new = _replace_nodes(cfg, run, old, named, exclude, say) if named else None
         if new is None:
             say(f"restart {len(run.restarts) + 1} of {allowed}: terminating {old_ids}, renting another cluster")
             cluster_flow.down(old.name, say)
@@ -224,19 +225,28 @@ def recover(cfg: GpuctlConfig, run: state.RunRecord, reason: str, say: Callable[
     return state.update_run(started.run_id, restarts=[*run.restarts, event], created_at=run.created_at)
 
 
-def _replace_nodes(
-    cfg: GpuctlConfig, run: state.RunRecord, old: state.ClusterRecord, exclude: set[str], say: Callable[[str], None]
-) -> state.ClusterRecord | None:
-    """A multi-node cluster whose vendor names the lost node(s): replace those only (flows/replace_node.py);
-    None: the whole cluster goes (one node, no node named, no replacement to be had)."""
+def _named_lost(old: state.ClusterRecord) -> list[int]:
+    """The nodes of a multi-node cluster its vendor reports lost; [] for one node, or when all are."""
     from provision.flows import replace_node
 
     provider = cloud_of(old)
     if provider is None or len(old.nodes) < 2:
-        return None
+        return []
     lost = replace_node.lost_indices(provider, old)
-    if not lost or len(lost) == len(old.nodes):
-        return None
+    return lost if len(lost) < len(old.nodes) else []
+
+
+def _replace_nodes(
+    cfg: GpuctlConfig,
+    run: state.RunRecord,
+    old: state.ClusterRecord,
+    lost: list[int],
+    exclude: set[str],
+    say: Callable[[str], None],
+) -> state.ClusterRecord | None:
+    """Replace the lost nodes only (flows/replace_node.py); None: the whole cluster goes instead."""
+    from provision.flows import replace_node
+
     names = ", ".join(f"{old.nodes[i].host} ({old.nodes[i].instance_id})" for i in lost)
     say(f"replacing lost node(s) {names}; the other {len(old.nodes) - len(lost)} keep their instances")
     return replace_node.replace_lost_nodes(cfg, run, old, lost, exclude, say)
