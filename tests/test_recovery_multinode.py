@@ -177,7 +177,7 @@ def test_e2e_a_lost_second_node_is_replaced_and_the_run_resumes(project, gpuctl,
     assert (event.old_instance, event.new_instance, event.old_host) == ("7000002", "7000003", "51003")
     assert event.resumed_from == "latest" and event.step >= stored
     log = (run_dir / "job.log").read_text()
-    assert "127.0.0.2: " in log and "dist_world_size=2" in log  # the resumed run is 2 nodes again
+    assert "node1: " in log and "dist_world_size=2" in log  # the resumed run is 2 nodes again (pdsh)
     after = _steps(run_dir / "metrics.jsonl")
     assert sorted(after) == list(range(1, 9))  # metrics.jsonl continues, each step once
     overlap = [s for s in before if s > event.step]
