@@ -11,20 +11,22 @@ import pytest
 from provision.core.config import load_config
 from provision.core.errors import NoOfferError, ProviderError
 from provision.core.provider_config import RunPodProvider
-from provision.providers import cloud, runpod
+from provision.providers import runpod
 from provision.providers.base import UpOptions
-from tests.fakes.harness import assert_secret_absent, node_fields, ssh_target, wait_until, write_config
-from tests.fakes.runpod_api import FakeRunPod
+from tests.fakes.harness import (
+    assert_secret_absent,
+    node_fields,
+    serve_runpod,
+    wait_until,
+    write_config,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture
 def fake(sshd, monkeypatch):
-    with FakeRunPod(ssh=ssh_target(sshd)) as server:
-        monkeypatch.setenv("RUNPOD_API_KEY", server.key)
-        monkeypatch.setattr(cloud, "POLL_S", 0.2)
-        yield server
+    yield from serve_runpod(sshd, monkeypatch)
 
 
 def provider(fake, tmp_path, **extra) -> dict:

@@ -18,10 +18,16 @@ import pytest
 from provision.core.config import load_config
 from provision.core.errors import ProviderError
 from provision.core.provider_config import VastProvider
-from provision.providers import cloud, vast
+from provision.providers import vast
 from provision.providers.base import UpOptions
-from tests.fakes.harness import assert_secret_absent, node_fields, saved_run, ssh_target, wait_until, write_config
-from tests.fakes.vast_api import FakeVast
+from tests.fakes.harness import (
+    assert_secret_absent,
+    node_fields,
+    saved_run,
+    serve_vast,
+    wait_until,
+    write_config,
+)
 from tests.helpers import GPUCTL
 
 pytestmark = pytest.mark.timeout(240)
@@ -29,10 +35,7 @@ pytestmark = pytest.mark.timeout(240)
 
 @pytest.fixture
 def fake(sshd, monkeypatch):
-    with FakeVast(ssh=ssh_target(sshd)) as server:
-        monkeypatch.setenv("VAST_API_KEY", server.key)
-        monkeypatch.setattr(cloud, "POLL_S", 0.2)
-        yield server
+    yield from serve_vast(sshd, monkeypatch)
 
 
 def provider(fake, tmp_path, **extra) -> dict:

@@ -9,20 +9,16 @@ from provision.core import state
 from provision.core.config import load_config
 from provision.core.errors import RemoteError
 from provision.flows import recover
-from provision.providers import cloud
 from provision.providers.base import UpOptions
-from tests.fakes.harness import node_fields, saved_run, ssh_target, write_config
-from tests.fakes.runpod_api import FakeRunPod
+from tests.fakes.harness import node_fields, saved_run, serve_runpod, wait_until, write_config
+from tests.fakes.preempt import freeze_past_a_checkpoint, kill_the_machine, steps
 
 pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture
 def fake(sshd, monkeypatch):
-    with FakeRunPod(ssh=ssh_target(sshd)) as server:
-        monkeypatch.setenv("RUNPOD_API_KEY", server.key)
-        monkeypatch.setattr(cloud, "POLL_S", 0.2)
-        yield server
+    yield from serve_runpod(sshd, monkeypatch)
 
 
 def spot_cluster(project, fake, tmp_path):
@@ -62,3 +58,60 @@ def test_status_names_the_resume_command_without_recovery(project, gpuctl, fake,
     assert "gpuctl train --resume" in shown.stderr
     assert gpuctl("down", "--yes").returncode == 0 and not fake.pods
     assert state.load_run(run.run_id).state == "lost"
+
+
+def test_a_pod_placed_on_the_lost_machine_is_given_back(project, fake, tmp_path):
+    """RunPod places a pod itself (a deploy names no machine): the new pod's machineId is checked,
+    and one on the lost machine is terminated and asked for again."""
+    fake.machines = ["m-lost", "m-lost", "m-other"]
+    cfg, record, _run = spot_cluster(project, fake, tmp_path)
+    assert record.nodes[0].host_id == "m-lost"  # the pod's machineId
+    fake.preempt(record.nodes[0].instance_id)
+    from provision.flows import cluster
+
+    cluster.down(record.name, lambda _: None)
+    said: list[str] = []
+    new = recover._up_again(cfg, UpOptions(assume_yes=True, say=said.append, exclude_hosts={"m-lost"}))
+    assert new.nodes[0].host_id == "m-other" and new.nodes[0].instance_id == "fakepod000003"
+    assert fake.terminated == ["fakepod000001", "fakepod000002"] and list(fake.pods) == ["fakepod000003"]
+    assert any("placed instance fakepod000002 on machine m-lost" in line for line in said)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # two DeepSpeed starts; on a loaded 2-core machine each can take minutes
+def test_e2e_a_spot_pod_lost_while_the_laptop_was_away_is_replaced_by_logs_f(project, gpuctl, fake, tmp_path):
+    """`train --detach`, nothing follows (the laptop is closed), the pod is taken back; `logs -f`
+    finds it, rents another pod (not on the lost machine), resumes, follows to the end; and
+    metrics.jsonl has every step, although no laptop kept a copy of it (the checkpoint carries one)."""
+    fake.machines = ["m-lost", "m-lost", "m-other"]  # RunPod would put the new pod on the lost machine first
+    prov = {"kind": "runpod", "api_url": fake.url, "interruptible": True, **node_fields(tmp_path)}
+    write_config(project, prov, name="rp-rec", max_steps=9, checkpoint_every=3)
+    assert gpuctl("up", "--yes").returncode == 0
+    started = gpuctl("train", "--detach")
+    assert started.returncode == 0, started.stderr
+    run_dir = tmp_path / "node" / "runs" / started.stdout.strip()
+    wait_until(lambda: max(steps(run_dir / "metrics.jsonl"), default=0) >= 4, 600, "step 4", every=0.2)
+    before, stored = freeze_past_a_checkpoint(run_dir, project / "gpuctl-storage")
+    fake.preempt("fakepod000001")
+    kill_the_machine(run_dir)
+    follow = gpuctl("logs", "-f", timeout=600)
+    assert follow.returncode == 0, follow.stdout[-3000:] + follow.stderr[-3000:]
+    err = follow.stderr
+    assert "node lost: runpod instance fakepod000001 was preempted or stopped (EXITED)" in err
+    assert "placed instance fakepod000002 on machine m-lost" in err  # given back, asked again
+    assert fake.terminated == ["fakepod000001", "fakepod000002"] and list(fake.pods) == ["fakepod000003"]
+    assert all("bidPerGpu" in d for d in fake.deploy_inputs)  # every pod a spot pod
+    run = state.load_run(run_dir.name)
+    assert run.state == "succeeded"
+    (event,) = run.restarts
+    assert (event.old_instance, event.new_instance, event.old_host) == ("fakepod000001", "fakepod000003", "m-lost")
+    assert event.resumed_from == "latest" and event.step == stored
+    after = steps(run_dir / "metrics.jsonl")
+    assert sorted(after) == list(range(1, 10))  # no gap: steps 1..stored came from the checkpoint
+    overlap = [s for s in before if s > stored]
+    assert overlap, (stored, before)
+    for step in [*overlap, *range(1, stored + 1)]:  # the resumed steps match the uninterrupted run
+        assert after[step] == pytest.approx(before[step], abs=1e-6), (step, before, after)
+    shown = gpuctl("status")
+    assert "restart 1," in shown.stdout and "fakepod000001 -> fakepod000003" in shown.stdout, shown.stdout
+    assert gpuctl("down", "--yes").returncode == 0 and not fake.pods

@@ -9,11 +9,7 @@ real, is preempted after a checkpoint and finishes on the other offer.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -23,10 +19,10 @@ from provision.core import state
 from provision.core.config import load_config
 from provision.core.errors import GpuctlError, RemoteError
 from provision.flows import recover
-from provision.providers import cloud, vast
+from provision.providers import vast
 from provision.providers.base import UpOptions
-from tests.fakes.harness import node_fields, saved_run, ssh_target, wait_until, write_config
-from tests.fakes.vast_api import FakeVast
+from tests.fakes.harness import node_fields, saved_run, serve_vast, wait_until, write_config
+from tests.fakes.preempt import freeze_past_a_checkpoint, kill_the_machine, steps
 from tests.helpers import GPUCTL
 
 pytestmark = pytest.mark.timeout(240)
@@ -34,10 +30,7 @@ pytestmark = pytest.mark.timeout(240)
 
 @pytest.fixture
 def fake(sshd, monkeypatch):
-    with FakeVast(ssh=ssh_target(sshd)) as server:
-        monkeypatch.setenv("VAST_API_KEY", server.key)
-        monkeypatch.setattr(cloud, "POLL_S", 0.2)
-        yield server
+    yield from serve_vast(sshd, monkeypatch)
 
 
 def configure(project: Path, fake, tmp_path: Path, recovery: dict, provider: dict | None = None, **train) -> None:
@@ -165,48 +158,6 @@ def test_status_after_the_laptop_was_away_names_the_resume_command(project, gpuc
     assert state.load_run(run.run_id).state == "lost"
 
 
-def _kill_the_machine(fake, tmp_path: Path, run_dir: Path) -> None:
-    """Preempt instance 7000001: the vendor says exited, SSH refuses, and its processes and disk go."""
-    fake.preempt(7000001)
-    pgid = json.loads((run_dir / "status.json").read_text())["pgid"]
-    os.killpg(pgid, signal.SIGKILL)
-    wait_until(lambda: not _group_alive(pgid), 30, "the preempted run's processes to end")
-    shutil.rmtree(run_dir)  # its disk goes with it
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _steps(path: Path) -> dict[int, float]:
-    """step -> loss of metrics.jsonl's whole lines (the last one may be half written)."""
-    losses = {}
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        if line.endswith("}"):
-            row = json.loads(line)
-            losses[row["step"]] = row["loss"]
-    return losses
-
-
-def _freeze_past_a_checkpoint(run_dir: Path, store: Path) -> tuple[dict[int, float], int]:
-    """Stop the run's processes (SIGSTOP) at a moment when it has run steps past the store's newest
-    complete checkpoint; (the losses so far, that checkpoint's step). Nothing moves until the kill."""
-    pgid = json.loads((run_dir / "status.json").read_text())["pgid"]
-    for _ in range(600):
-        os.killpg(pgid, signal.SIGSTOP)
-        latest = (store / "latest").read_text().strip() if (store / "latest").is_file() else ""
-        before = _steps(run_dir / "metrics.jsonl")
-        if latest and max(before, default=0) > int(latest.removeprefix("step")):
-            return before, int(latest.removeprefix("step"))
-        os.killpg(pgid, signal.SIGCONT)
-        time.sleep(0.5)
-    raise AssertionError("the run never got past a stored checkpoint")
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # two DeepSpeed starts; on a loaded 2-core machine each can take minutes
 def test_e2e_preempted_mid_run_resumes_on_the_other_offer(project, gpuctl, fake, tmp_path):
@@ -217,9 +168,10 @@ def test_e2e_preempted_mid_run_resumes_on_the_other_offer(project, gpuctl, fake,
         runs = tmp_path / "node" / "runs"
         wait_until(lambda: runs.is_dir() and any(runs.iterdir()), 120, "the run to start")
         run_dir = next(runs.iterdir())
-        wait_until(lambda: max(_steps(run_dir / "metrics.jsonl"), default=0) >= 4, 600, "step 4", every=0.2)
-        before, stored = _freeze_past_a_checkpoint(run_dir, project / "gpuctl-storage")  # the uninterrupted run
-        _kill_the_machine(fake, tmp_path, run_dir)
+        wait_until(lambda: max(steps(run_dir / "metrics.jsonl"), default=0) >= 4, 600, "step 4", every=0.2)
+        before, stored = freeze_past_a_checkpoint(run_dir, project / "gpuctl-storage")  # the uninterrupted run
+        fake.preempt(7000001)
+        kill_the_machine(run_dir)
         out, err = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
@@ -235,7 +187,7 @@ def test_e2e_preempted_mid_run_resumes_on_the_other_offer(project, gpuctl, fake,
     resumed = event.step
     assert event.reason.startswith("vast instance 7000001") and event.old_instance == "7000001"
     assert event.resumed_from == "latest" and resumed == stored and event.cost_so_far > 0
-    after = _steps(run_dir / "metrics.jsonl")  # the new node's run dir: the same path on this stand-in
+    after = steps(run_dir / "metrics.jsonl")  # the new node's run dir: the same path on this stand-in
     assert sorted(after) == list(range(1, 10))  # metrics.jsonl continues, each step once
     overlap = [s for s in before if s > resumed]
     assert overlap, (resumed, before)
@@ -255,8 +207,9 @@ def test_e2e_no_restarts_the_run_is_lost_and_everything_terminated(project, gpuc
     started = gpuctl("train", "--detach")
     assert started.returncode == 0, started.stderr
     run_dir = tmp_path / "node" / "runs" / started.stdout.strip()
-    wait_until(lambda: max(_steps(run_dir / "metrics.jsonl"), default=0) >= 1, 300, "the first step", every=0.2)
-    _kill_the_machine(fake, tmp_path, run_dir)
+    wait_until(lambda: max(steps(run_dir / "metrics.jsonl"), default=0) >= 1, 300, "the first step", every=0.2)
+    fake.preempt(7000001)
+    kill_the_machine(run_dir)
     follow = gpuctl("logs", "-f", timeout=300)
     assert follow.returncode == 1, follow.stdout[-2000:] + follow.stderr[-2000:]
     errors = [x for x in follow.stderr.splitlines() if x.startswith("error:")]
@@ -277,3 +230,17 @@ def test_a_node_that_may_have_deleted_itself_is_not_recovered(project, fake, tmp
     state.save_cluster(record.model_copy(update={"budget_hours": 0.001, "created_at": record.created_at - 3600}))
     watch = recover.LossWatch(run, state.load_cluster(record.name), cfg.recovery.lost_after)
     watch.unreachable(1, RemoteError("refused", "retry"))  # past its cap: the guard deleted it
+
+
+def test_the_seed_takes_the_steps_the_laptop_missed_from_the_checkpoint(state_dir):
+    """The laptop followed up to step 2 and was closed; the checkpoint of step 4 carries the run's
+    metrics.jsonl (trainer/checkpoint.py): the new node gets steps 1-4, once each, in order."""
+    run = saved_run("vast-rec", "20261203-000000-ab13")
+    copy = recover.metrics_copy(run)
+    copy.parent.mkdir(parents=True)
+    copy.write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.5}\n{"step": 3, "lo')  # cut short
+    stored = "".join(f'{{"step": {s}, "loss": {6 - s / 2}}}\n' for s in range(1, 6))  # saved with step 5's
+    seed = recover._metrics_upto(run, 4, stored)
+    assert [json.loads(line)["step"] for line in seed.splitlines()] == [1, 2, 3, 4]
+    assert copy.read_text() == seed
+    assert recover._metrics_upto(run, 2, "") == seed.split('{"step": 3')[0]  # no checkpoint copy: the laptop's

@@ -27,6 +27,7 @@ from trainer.diskroom import LocalTag, Room, expected_save_bytes, free_bytes, pl
 
 CKPT_DIR = "checkpoints"
 STATE_FILE = "trainer_state.json"
+METRICS_FILE = "metrics.jsonl"  # a copy of the run's metrics.jsonl as of the checkpoint (rank 0's node)
 _TAG_STEP = re.compile(r"^step(\d+)$")
 
 
@@ -112,6 +113,10 @@ class Checkpointer:
         self.engine.save_checkpoint(str(self.dir), tag=tag, client_state=state)
         if self.env.is_local_main:
             (self.dir / tag / STATE_FILE).write_text(json.dumps(state) + "\n")
+        if self.env.is_main and (self.cfg.run_dir / METRICS_FILE).is_file():
+            # the steps so far travel with the checkpoint: a run resumed from it on a new node
+            # continues metrics.jsonl even when no laptop kept a copy (flows/recover.py)
+            shutil.copyfile(self.cfg.run_dir / METRICS_FILE, self.dir / tag / METRICS_FILE)
         dist.barrier()  # every shard of this node is on disk before upload
         if self.uploader is not None:
             self.uploader.submit(self.dir / tag, tag, pos.step, self.env.world_size)

@@ -25,7 +25,10 @@ class RecoveryConfig(BaseModel):
         le=86_400,
         description="seconds a node may be unreachable while its vendor still answers before it counts as lost",
     )
-    exclude_lost_hosts: bool = Field(default=True, description="never rent a lost node's host again for this run")
+    exclude_lost_hosts: bool = Field(
+        default=True,
+        description="never rent a lost node's host again for this run (vast: machine_id; runpod: the pod's machineId)",
+    )
 
     def restarts_allowed(self, interruptible: bool) -> int:
         if self.max_restarts is not None:

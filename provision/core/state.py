@@ -42,6 +42,7 @@ class NodeRecord(BaseModel):
     gpu_name: str | None = None
     instance_id: str | None = None
     host_id: str | None = None  # the vendor's machine behind the instance (recovery avoids a lost one)
+    price_per_hour: float | None = None  # this node's share of the cluster's $/h (cloud)
     workdir: str = ""  # the node-side root for run dirs
     ssh: SSHRoute | None = None  # ~/.ssh/config: jump hosts, keys, timeouts (ssh provider)
 

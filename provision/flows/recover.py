@@ -33,6 +33,9 @@ from provision.providers.base import UpOptions
 from provision.providers.cloud import CloudBackend
 from provision.transport.remote import Node
 
+VENDOR_LOOK_S = 15.0  # how often a followed multi-node run asks the vendor about its other nodes
+LOST_HOST_RETRIES = 3  # a vendor that places nodes itself (runpod) put one on a lost host: ask again
+
 
 class NodeLost(Exception):
     def __init__(self, reason: str):
@@ -92,6 +95,7 @@ class LossWatch:
     cluster: state.ClusterRecord
     lost_after: float
     offset: int = 0
+    next_vendor_look: float = 0.0
 
     def __post_init__(self) -> None:
         copy = metrics_copy(self.run)
@@ -106,6 +110,13 @@ class LossWatch:
             copy.parent.mkdir(parents=True, exist_ok=True)
             with copy.open("a") as handle:
                 handle.write(chunk)
+        if len(self.cluster.nodes) > 1 and time.monotonic() >= self.next_vendor_look:
+            # The followed (first) node answers, but another may be gone: its peers then hang in a
+            # collective until their timeout. Ask the vendor now and then.
+            self.next_vendor_look = time.monotonic() + VENDOR_LOOK_S
+            verdict = vendor_trouble(self.cluster)
+            if verdict.reason and not (verdict.gone and at_cap(self.cluster)):
+                raise NodeLost(verdict.reason)
 
     def unreachable(self, seconds: float, error: RemoteError) -> None:
         verdict = vendor_trouble(self.cluster)
@@ -138,12 +149,12 @@ def follow(cfg: GpuctlConfig, run: state.RunRecord, view: View, say: Callable[[s
         except NodeLost as lost:
             reason = lost.reason
         else:
-            if status.state != "lost":
+            if status.state not in ("lost", "failed"):  # a lost peer node can fail the ranks that remain
                 return status
-            found = vendor_trouble(cluster).reason  # the run died: with its node, or alone?
-            if found is None:
-                return status
-            reason = found
+            found = vendor_trouble(cluster)  # the run died: with its node, or alone?
+            if found.reason is None or (found.gone and (at_cap(cluster) or cfg.teardown == "after-train")):
+                return status  # alone (a node that deleted itself after the run or at its cap is no loss)
+            reason = found.reason
         run = recover(cfg, run, reason, say)
 
 
@@ -177,41 +188,85 @@ def recover(cfg: GpuctlConfig, run: state.RunRecord, reason: str, say: Callable[
     assert isinstance(prov, CloudProvider)  # recovery follows cloud clusters only
     if (prov.max_hours and hours >= prov.max_hours) or (prov.max_cost and cost >= prov.max_cost):
         give_up(run, f"{reason}; the budget cap is spent ({hours:.2f} h, ${cost:.2f})", say)
-    lost_hosts = {n.host_id for n in old.nodes if n.host_id}
-    lost_hosts |= {host for e in run.restarts for host in e.old_host.split(",") if host}
     old_ids = ",".join(n.instance_id or "?" for n in old.nodes)
-    say(f"restart {len(run.restarts) + 1} of {allowed}: terminating {old_ids}, renting another node")
-    cluster_flow.down(old.name, say)
-    opts = UpOptions(
-        assume_yes=True,
-        say=say,
-        exclude_hosts=lost_hosts if cfg.recovery.exclude_lost_hosts else set(),
-        spent_hours=hours,
-        spent_cost=cost,
-    )
     try:
-        new = cluster_flow.up(cfg, opts)  # a failed or interrupted up leaves nothing rented
-        assert new is not None  # not a dry run
-        tag, step = _newest_checkpoint(cfg, say)
-        seed = _metrics_upto(run, step)
+        named = _named_lost(old)  # several nodes: the ones the vendor says are lost ([]: all of them)
+        lost_hosts = {n.host_id for n in ([old.nodes[i] for i in named] or old.nodes) if n.host_id}
+        lost_hosts |= {host for e in run.restarts for host in e.old_host.split(",") if host}
+        exclude = lost_hosts if cfg.recovery.exclude_lost_hosts else set()
+        new = _replace_nodes(cfg, run, old, named, exclude, say) if named else None
+        if new is None:
+            say(f"restart {len(run.restarts) + 1} of {allowed}: terminating {old_ids}, renting another cluster")
+            cluster_flow.down(old.name, say)
+            new = _up_again(
+                cfg, UpOptions(assume_yes=True, say=say, exclude_hosts=exclude, spent_hours=hours, spent_cost=cost)
+            )
+        tag, step, stored = _newest_checkpoint(cfg, say)
+        seed = _metrics_upto(run, step, stored)
         started = job.start_run(cfg, new, resume=tag, say=say, run_id=run.run_id, seed_files={"metrics.jsonl": seed})
     except KeyboardInterrupt:
         interrupt.answered()  # answered here: a run that is not going must not read as "detached"
         give_up(run, f"{reason}; recovery interrupted", say)
     except GpuctlError as exc:  # no offer left, a node that did not boot, the store unreachable
         give_up(run, f"{reason}; recovery failed: {exc.message}", say)
+    kept = {n.instance_id for n in new.nodes} & {n.instance_id for n in old.nodes}  # nodes replaced alone
+    gone = [n for n in old.nodes if n.instance_id not in kept]
     event = state.RestartEvent(
         at=time.time(),
         reason=reason,
-        old_instance=old_ids,
-        old_host=",".join(sorted(n.host_id for n in old.nodes if n.host_id)),
-        new_instance=",".join(n.instance_id or "?" for n in new.nodes),
+        old_instance=",".join(n.instance_id or "?" for n in gone),
+        old_host=",".join(sorted(n.host_id for n in gone if n.host_id)),
+        new_instance=",".join(n.instance_id or "?" for n in new.nodes if n.instance_id not in kept),
         resumed_from=tag,
         step=step,
         cost_so_far=round(cost, 4),
     )
     say(f"run {run.run_id} resumed on {event.new_instance} from {tag or 'the start'} (step {step})")
     return state.update_run(started.run_id, restarts=[*run.restarts, event], created_at=run.created_at)
+
+
+def _named_lost(old: state.ClusterRecord) -> list[int]:
+    """The nodes of a multi-node cluster its vendor reports lost; [] for one node, or when all are."""
+    from provision.flows import replace_node
+
+    provider = cloud_of(old)
+    if provider is None or len(old.nodes) < 2:
+        return []
+    lost = replace_node.lost_indices(provider, old)
+    return lost if len(lost) < len(old.nodes) else []
+
+
+def _replace_nodes(
+    cfg: GpuctlConfig,
+    run: state.RunRecord,
+    old: state.ClusterRecord,
+    lost: list[int],
+    exclude: set[str],
+    say: Callable[[str], None],
+) -> state.ClusterRecord | None:
+    """Replace the lost nodes only (flows/replace_node.py); None: the whole cluster goes instead."""
+    from provision.flows import replace_node
+
+    names = ", ".join(f"{old.nodes[i].host} ({old.nodes[i].instance_id})" for i in lost)
+    say(f"replacing lost node(s) {names}; the other {len(old.nodes) - len(lost)} keep their instances")
+    return replace_node.replace_lost_nodes(cfg, run, old, lost, exclude, say)
+
+
+def _up_again(cfg: GpuctlConfig, opts: UpOptions) -> state.ClusterRecord:
+    """A new cluster for the run; a vendor that placed a node on a lost host is asked again."""
+    from provision.flows import cluster as cluster_flow
+    from provision.providers.cloud import LostHostAgain
+
+    for attempt in range(LOST_HOST_RETRIES):
+        try:
+            new = cluster_flow.up(cfg, opts)  # a failed or interrupted up leaves nothing rented
+            assert new is not None  # not a dry run
+            return new
+        except LostHostAgain as exc:
+            if attempt + 1 == LOST_HOST_RETRIES:
+                raise
+            opts.say(f"{exc.message}: asking again")
+    raise AssertionError("unreachable")
 
 
 def give_up(run: state.RunRecord, what: str, say: Callable[[str], None]) -> NoReturn:
@@ -225,26 +280,32 @@ def give_up(run: state.RunRecord, what: str, say: Callable[[str], None]) -> NoRe
     raise GpuctlError(f"run {run.run_id} lost: {what}", resume_hint())
 
 
-def _newest_checkpoint(cfg: GpuctlConfig, say: Callable[[str], None]) -> tuple[str | None, int]:
-    """The store's newest complete checkpoint: ("latest", its step), or (None, 0) with none yet."""
+def _newest_checkpoint(cfg: GpuctlConfig, say: Callable[[str], None]) -> tuple[str | None, int, str]:
+    """The store's newest complete checkpoint: ("latest", its step, the metrics.jsonl lines it
+    carries), or (None, 0, "") with none yet."""
     from trainer.objstore.store import CheckpointStore
 
-    info = CheckpointStore.from_config(cfg.storage_settings(), log=say).latest()
-    return ("latest", info.step) if info is not None else (None, 0)
+    store = CheckpointStore.from_config(cfg.storage_settings(), log=say)
+    info = store.latest()
+    if info is None:
+        return None, 0, ""
+    stored = store.backend.read_bytes(f"{info.tag}/metrics.jsonl")  # trainer/checkpoint.py saves a copy
+    return "latest", info.step, stored.decode(errors="replace") if stored else ""
 
 
-def _metrics_upto(run: state.RunRecord, step: int) -> str:
-    """The laptop's copy of metrics.jsonl up to the resumed step: the new node appends to it."""
+def _metrics_upto(run: state.RunRecord, step: int, stored: str) -> str:
+    """metrics.jsonl up to the resumed step, for the new node to append to: the laptop's copy (kept
+    while it followed) and the checkpoint's (the steps logged while no laptop followed), by step."""
     copy = metrics_copy(run)
-    kept = []
-    for line in copy.read_text().splitlines() if copy.is_file() else []:
+    rows: dict[int, str] = {}
+    for line in [*stored.splitlines(), *(copy.read_text().splitlines() if copy.is_file() else [])]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut short when the node was lost
-        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
-            kept.append(line + "\n")
-    text = "".join(kept)
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and 0 < row["step"] <= step:
+            rows.setdefault(row["step"], line.strip() + "\n")
+    text = "".join(rows[s] for s in sorted(rows))
     copy.parent.mkdir(parents=True, exist_ok=True)
     copy.write_text(text)
     return text

@@ -56,6 +56,11 @@ class Instance:
     user: str = "root"
     label: str = ""
     private_address: str | None = None  # where the other nodes reach it (AWS: inside the VPC)
+    host: str = ""  # the vendor's machine behind it, where its API names one (runpod: machineId)
+
+
+class LostHostAgain(NoOfferError):
+    """The vendor placed a new instance on a host the run lost (it chose the machine, not gpuctl)."""
 
 
 def budget_hours(
@@ -177,6 +182,8 @@ class CloudBackend(ProviderBackend):
         with interrupt.guarded():  # a double Ctrl-C cannot get ahead of the abort
             try:
                 self._create_and_boot(cfg, record, picks, labels, created, public_key, opts.say)
+                for node in record.nodes:
+                    self.check_not_excluded(record, node, opts.exclude_hosts)
             except BaseException as exc:  # Ctrl-C included: leave nothing behind
                 self._abort(record, created, labels, opts.say, exc)
                 raise
@@ -209,6 +216,7 @@ class CloudBackend(ProviderBackend):
                     accelerator="cuda",
                     gpu_name=offer.gpu_name,
                     host_id=offer.host or None,
+                    price_per_hour=offer.price_per_hour,
                 )
             )
             state.save_cluster(record)  # `gpuctl down` finds it even if this process dies now
@@ -282,6 +290,7 @@ class CloudBackend(ProviderBackend):
             time.sleep(POLL_S)
         node.address, node.port, node.user = inst.address, inst.port, inst.user
         node.private_address = inst.private_address
+        node.host_id = inst.host or node.host_id
         wait_for_ssh(inst.address, inst.port, deadline, say=say)
         ssh = self.ssh_node(cluster, node, pin_new=True)
         try:
@@ -322,6 +331,15 @@ class CloudBackend(ProviderBackend):
             raise ProviderError(
                 f"{self.kind} instance {node.instance_id} shows no GPU (nvidia-smi found none)",
                 "pick another offer; set provider.cpu_ranks_fallback only for CPU test stand-ins",
+            )
+
+    def check_not_excluded(self, cluster: ClusterRecord, node: NodeRecord, exclude: set[str]) -> None:
+        """A vendor that places a pod itself (runpod) may put it on a host this run lost."""
+        if node.host_id and node.host_id in exclude:
+            raise LostHostAgain(
+                f"{self.kind} placed instance {node.instance_id} on machine {node.host_id}, "
+                "which this run lost before (recovery.exclude_lost_hosts)",
+                "retry later, or set recovery.exclude_lost_hosts: false",
             )
 
     def undo_up(self, cluster: ClusterRecord, say: Callable[[str], None]) -> bool:

@@ -21,6 +21,9 @@ parsed as query syntax. tests/test_cloud_oracle_runpod.py compares the two.
   has the public TCP port for 22 (RUNNING is reported while the image still pulls: then an
   SSH banner, cloud.py).
 - terminate: podTerminate(input: {podId}); list: myself { pods { ... } }.
+- host: a deploy cannot name or avoid a machine (RunPod places the pod); the pod's `machineId`
+  is the host identity it exposes, so recovery.exclude_lost_hosts checks it once the pod runs
+  and a pod placed on a lost machine is terminated and asked for again (flows/recover.py).
 - errors: a GraphQL reply's errors[] messages, in a 200 or a non-2xx answer, make the one error
   line; "no longer any instances available" (capacity) is a NoOfferError.
 Auth: `Authorization: Bearer KEY` (not the `?api_key=` query string, which would put the key in
@@ -61,9 +64,7 @@ DEPLOY = """mutation Deploy($input: PodFindAndDeployOnDemandInput!) {
 DEPLOY_SPOT = """mutation DeploySpot($input: PodRentInterruptableInput!) {
   podRentInterruptable(input: $input) { id costPerHr desiredStatus }
 }"""
-POD_FIELDS = (
-    "id name desiredStatus costPerHr runtime { uptimeInSeconds ports { ip isIpPublic privatePort publicPort type } }"
-)
+POD_FIELDS = "id name desiredStatus costPerHr machineId runtime { uptimeInSeconds ports { ip isIpPublic privatePort publicPort type } }"
 POD = f"query Pod($input: PodFilter!) {{ pod(input: $input) {{ {POD_FIELDS} }} }}"
 PODS = f"query Pods {{ myself {{ pods {{ {POD_FIELDS} }} }} }}"
 TERMINATE = "mutation Terminate($input: PodTerminateInput!) { podTerminate(input: $input) }"
@@ -124,6 +125,7 @@ def _instance(raw: dict[str, Any]) -> Instance:
         port=int(ssh["publicPort"]) if ssh else 22,
         user="root",
         label=raw.get("name") or "",
+        host=str(raw.get("machineId") or ""),
     )
 
 

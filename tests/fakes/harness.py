@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,30 @@ from tests.helpers import REPO
 
 def ssh_target(sshd) -> SshTarget:
     return SshTarget(address="127.0.0.1", port=sshd.port, authorized_keys=sshd.authorized_keys, user=sshd.user)
+
+
+def serve_vast(sshd, monkeypatch, **fields) -> Iterator[Any]:
+    """A test's `fake` fixture for Vast.ai (`yield from serve_vast(sshd, monkeypatch)`): the fake
+    serving, its instances the loopback sshd, gpuctl's key env set, cloud polls quick."""
+    from tests.fakes.vast_api import FakeVast
+
+    yield from _serve(FakeVast(ssh=ssh_target(sshd), **fields), "VAST_API_KEY", monkeypatch)
+
+
+def serve_runpod(sshd, monkeypatch, **fields) -> Iterator[Any]:
+    """The same for RunPod's GraphQL API."""
+    from tests.fakes.runpod_api import FakeRunPod
+
+    yield from _serve(FakeRunPod(ssh=ssh_target(sshd), **fields), "RUNPOD_API_KEY", monkeypatch)
+
+
+def _serve(fake, key_env: str, monkeypatch) -> Iterator[Any]:
+    from provision.providers import cloud
+
+    with fake as server:
+        monkeypatch.setenv(key_env, server.key)
+        monkeypatch.setattr(cloud, "POLL_S", 0.2)
+        yield server
 
 
 def node_fields(tmp: Path, ranks: int = 3) -> dict:

@@ -153,6 +153,7 @@ class FakeRunPod(FakeApi):
     account_key: str | None = None  # the key in the account's settings: RunPod injects it as PUBLIC_KEY
     error_status: int = 200
     price_moves: float = 0.0  # $/h per GPU added at deploy: the price moved between search and create
+    machines: list[str] = field(default_factory=list)  # machineId of the next pods (RunPod picks); then m-<pod>
 
     def __post_init__(self):
         super().__post_init__()
@@ -261,6 +262,7 @@ class FakeRunPod(FakeApi):
             "ports": arg.get("ports"),
             "containerDiskInGb": arg.get("containerDiskInGb"),
             "volumeInGb": arg.get("volumeInGb"),
+            "machineId": self.machines.pop(0) if self.machines else f"m-{len(self.terminated) + len(self.pods) + 1}",
             "_reads": 0,
             "_keys": keys,
             "_gpu": gpu,

@@ -150,7 +150,7 @@ class FakeVast(FakeApi):
     created_bodies: list[dict] = field(default_factory=list)
     boot_polls: int = 2  # reads of an instance before it reports "running"
     lose_create_answer: bool = False  # create the instance, then answer 502 (a lost response)
-    addresses: tuple[str, ...] = ("127.0.0.1",)  # instance n answers on addresses[n % len]: two "hosts"
+    addresses: tuple[str, ...] = ("127.0.0.1",)  # a new instance answers on the first one no live one uses
     unschedulable: set[int] = field(default_factory=set)  # offer ids whose machine cannot start it
     refuse_delete: set[int] = field(default_factory=set)  # instance ids whose DELETE says success false
 
@@ -239,6 +239,7 @@ class FakeVast(FakeApi):
             "disk_space": body.get("disk", 8),
             "start_date": time.time(),
             "_stuck": stuck,
+            "_address": self._free_address(),
             "_reads": 0,
             "_keys": [],
         }
@@ -246,12 +247,24 @@ class FakeVast(FakeApi):
             raise ApiError(502, {"detail": "Bad Gateway"})
         return 200, {"success": True, "new_contract": instance_id}
 
+    def _free_address(self) -> str:
+        used = {i["_address"] for i in self.instances.values() if not i.get("_preempted")}
+        return next(
+            (a for a in self.addresses if a not in used), self.addresses[len(self.instances) % len(self.addresses)]
+        )
+
+    def _drop_keys(self, inst: dict) -> None:
+        """The instance's keys stop letting anyone in. The stand-in's instances share one sshd (and
+        a cluster shares one key): a key another live instance holds stays for that one."""
+        held = {k for i in self.instances.values() if i is not inst and not i.get("_preempted") for k in i["_keys"]}
+        for key in inst["_keys"]:
+            if self.ssh and key not in held:
+                self.ssh.remove_key(key)
+
     def _delete(self, inst: dict) -> dict:
         if inst["id"] in self.refuse_delete:
             return {"success": False, "error": "delete_failed", "msg": "Instance is locked by an ongoing operation"}
-        for key in inst["_keys"]:
-            if self.ssh:
-                self.ssh.remove_key(key)
+        self._drop_keys(inst)
         del self.instances[inst["id"]]
         inst["ask"]["rented"] = False
         self.deleted.append(inst["id"])
@@ -284,9 +297,7 @@ class FakeVast(FakeApi):
         with self.lock:
             inst = self.instances[instance_id]
             inst["_preempted"] = True
-            for key in inst["_keys"]:
-                if self.ssh:
-                    self.ssh.remove_key(key)
+            self._drop_keys(inst)
 
     def _view(self, inst: dict, count: bool = True) -> dict:
         if count:
@@ -319,7 +330,7 @@ class FakeVast(FakeApi):
             "disk_space": inst["disk_space"],
             "dph_total": ask["dph_total"],
             "start_date": inst["start_date"],
-            "public_ipaddr": self.addresses[(inst["id"] - 7_000_001) % len(self.addresses)] if running else None,
+            "public_ipaddr": inst["_address"] if running else None,
             "ports": {"22/tcp": [{"HostIp": "0.0.0.0", "HostPort": str(self.ssh.port)}]} if running else {},
             "ssh_host": "ssh5.fake.vast.ai",
             "ssh_port": 20000 + inst["id"] % 10000,

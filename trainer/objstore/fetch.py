@@ -46,7 +46,8 @@ def fetch_tag(backend: FileBackend | S3Backend, info: CheckpointInfo, dest: Path
         local = tag_dir / f.path
         if local.is_file() and local.stat().st_size == f.size and sha256_file(local) == f.sha256:
             continue  # already here (a resumed pull)
-        todo.append(DownloadItem(f"{info.tag}/{f.path}", local.with_name(f".tmp-{local.name}"), f.size))
+        # the pid: two nodes on a shared file system (NFS) may fetch into one folder at once
+        todo.append(DownloadItem(f"{info.tag}/{f.path}", local.with_name(f".tmp-{os.getpid()}-{local.name}"), f.size))
     prog = Progress(progress, sum(i.size for i in todo))
     try:
         backend.download_files(todo, prog)

@@ -1,0 +1,55 @@
+"""What a preemption test does to the stand-in node (the loopback sshd's machine, this one) and
+reads off its run dir: freeze the run past a stored checkpoint, kill what ran on the lost node."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+from tests.fakes.harness import wait_until
+
+
+def kill_the_machine(run_dir: Path) -> None:
+    """The rest of a preemption after the fake's `preempt` (the vendor says exited, SSH refuses):
+    the node's processes and its disk go."""
+    pgid = json.loads((run_dir / "status.json").read_text())["pgid"]
+    os.killpg(pgid, signal.SIGKILL)
+    wait_until(lambda: not _group_alive(pgid), 30, "the preempted run's processes to end")
+    shutil.rmtree(run_dir)  # its disk goes with it
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def steps(path: Path) -> dict[int, float]:
+    """step -> loss of metrics.jsonl's whole lines (the last one may be half written)."""
+    losses = {}
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        if line.endswith("}"):
+            row = json.loads(line)
+            losses[row["step"]] = row["loss"]
+    return losses
+
+
+def freeze_past_a_checkpoint(run_dir: Path, store: Path) -> tuple[dict[int, float], int]:
+    """Stop the run's processes (SIGSTOP) at a moment when it has run steps past the store's newest
+    complete checkpoint; (the losses so far, that checkpoint's step). Nothing moves until the kill."""
+    pgid = json.loads((run_dir / "status.json").read_text())["pgid"]
+    for _ in range(600):
+        os.killpg(pgid, signal.SIGSTOP)
+        latest = (store / "latest").read_text().strip() if (store / "latest").is_file() else ""
+        before = steps(run_dir / "metrics.jsonl")
+        if latest and max(before, default=0) > int(latest.removeprefix("step")):
+            return before, int(latest.removeprefix("step"))
+        os.killpg(pgid, signal.SIGCONT)
+        time.sleep(0.5)
+    raise AssertionError("the run never got past a stored checkpoint")
