@@ -87,9 +87,18 @@ def test_slow_final_upload_longer_than_the_timeout_still_succeeds_then_mapped_re
     from trainer.diskroom import expected_save_bytes, tag_bytes
     from trainer.objstore.store import CheckpointStore
 
-    assert CheckpointStore.from_config(slow_store).latest().tag == "step2"
+    latest = CheckpointStore.from_config(slow_store).latest()
+    assert latest.tag == "step2"
     expected = expected_save_bytes(KNOWN_MODELS["tiny"].params, "fp32", world=2, local_world=2, node_rank=0)
     assert tag_bytes(run / "checkpoints" / "step2") == pytest.approx(expected, rel=0.1)  # the disk-room estimate
+    # `gpuctl plan`'s checkpoint size (DeepSpeed ZeRO-2) for this run: the save on disk and in the store
+    from provision.estimate.checkpoint_cost import save_bytes
+    from provision.estimate.plan import PlanInput, plan
+
+    tiny = plan(PlanInput(model="tiny", gpus_per_node=2, precision="fp32", grad_accum=2, seq_len=64))
+    on_node, in_store = save_bytes(tiny)
+    assert tag_bytes(run / "checkpoints" / "step2") == pytest.approx(on_node, rel=0.05)
+    assert latest.size == pytest.approx(in_store, rel=0.05)
     # resume from the local save: DeepSpeed loads through memory maps, the optimizer state gets its own memory
     resumed = h.make_run_dir(tmp_path / "resumed", world=2, grad_accum=2, max_steps=3, resume=str(run / "checkpoints"))
     rc, log = launch(resumed, 2, h.rank_env())
