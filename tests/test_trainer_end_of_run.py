@@ -29,10 +29,10 @@ pytestmark = [pytest.mark.slow]
 
 @pytest.fixture
 def slow_store(tmp_path, monkeypatch):
-    """An S3 bucket behind a 0.7 MB/s link; yields the run.json storage block."""
+    """An S3 bucket behind a 1 MB/s link (a tiny-model save uploads in ~14 s); yields the run.json storage block."""
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", TEST_KEY_ID)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", TEST_SECRET)
-    with slowlink.slow_store(tmp_path, 7e5) as storage:
+    with slowlink.slow_store(tmp_path, 1e6) as storage:
         yield storage
 
 
@@ -68,7 +68,7 @@ def launch(run_dir: Path, world: int, env: dict[str, str], wrap: list[str] | Non
 @pytest.mark.timeout(900)
 def test_slow_final_upload_longer_than_the_timeout_still_succeeds_then_mapped_resume(tmp_path, slow_store):
     """Old behaviour: ranks 1.. waited in dist.barrier() while rank 0 uploaded, and gloo's timeout (here 10 s,
-    the upload ~20 s at 0.7 MB/s) killed the run. Now every rank leaves the group first."""
+    the upload ~14 s at 1 MB/s) killed the run. Now every rank leaves the group first."""
     run = h.make_run_dir(tmp_path / "run", world=2, grad_accum=2, max_steps=2, storage=slow_store)
     set_timeout(run, 10)
     rc, log = launch(run, 2, rank_env_unbound())
@@ -123,7 +123,7 @@ def in_flight_peak(events: list[dict]) -> int:
 
 @pytest.mark.timeout(600)
 def test_saves_faster_than_uploads_coalesce_within_a_small_disk(tmp_path, slow_store):
-    """checkpoints/ on a tmpfs that holds ~2.5 saves, a save every step, each upload (~20 s) far slower than a
+    """checkpoints/ on a tmpfs that holds ~2.5 saves, a save every step, each upload (~14 s) far slower than a
     step: the uploader keeps one upload running and one waiting, a waiting one is superseded by the next save
     (job.log and events.jsonl say so) and deleted, nothing waits for disk, never ENOSPC, and the newest save
     still becomes `latest` in the store. (Waiting for disk when even that does not fit: test_trainer_host.py.)"""
