@@ -14,7 +14,9 @@ The S3 server stands in for a remote one: it runs at --server-nice (default 19),
 cores only when the ranks leave them idle (pass 0 to let it compete as an equal).
 Reported: steady tokens/s (summary.json: steps after the first, training time only, no save
 time), wall tokens/s (first to last step, saves included), and for `on` the fraction of that
-wall time the uploader was busy (from its "upload done ... in X s" lines).
+wall time the uploader was busy (from its "upload done ... in X s" lines), how many saves were
+superseded (skipped because uploads were slower than saves), and the machine's 1-minute load
+after each run (on a shared box the ratio means little when the load is far above the cores).
 Only 127.0.0.1 is contacted.
 """
 
@@ -85,6 +87,8 @@ def one_run(work: Path, name: str, args, storage: dict | None) -> dict:
         "wall_tokens_per_s": (last["tokens"] - first["tokens"]) / span,
         "upload_busy": upload_s / span if storage else 0.0,
         "uploads": len(UPLOAD_DONE.findall(proc.stdout)),
+        "superseded": proc.stdout.count("upload skipped, superseded by"),  # saves faster than uploads: coalesced
+        "load_1min": os.getloadavg()[0],
         "checkpoint_mb": ckpt_mb,
         "process_s": wall,
     }
@@ -146,7 +150,8 @@ def main() -> None:
                 print(
                     f"{arm:3s} #{i}: steady {result['steady_tokens_per_s']:8.1f} tok/s   wall "
                     f"{result['wall_tokens_per_s']:8.1f} tok/s   uploader busy {result['upload_busy']:5.0%} "
-                    f"({result['uploads']} uploads of {result['checkpoint_mb']:.1f} MB)",
+                    f"({result['uploads']} uploads of {result['checkpoint_mb']:.1f} MB, {result['superseded']} superseded)   "
+                    f"load {result['load_1min']:.1f}",
                     flush=True,
                 )
 

@@ -82,6 +82,9 @@ def test_local_fsdp_trains_resumes_from_the_store_and_exports(project, gpuctl: G
     assert (store / "latest").read_text().strip() == f"step{STEPS}"
     shards = {p.name for p in (store / f"step{EVERY}").iterdir()}
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "manifest.json"} <= shards
+    cost = json.loads(gpuctl("plan", "--json").stdout)["checkpoint"]  # plan's size of an FSDP (DCP) save
+    stored = sum(p.stat().st_size for p in (store / f"step{EVERY}").iterdir() if p.name != "manifest.json")
+    assert cost["strategy"] == "fsdp" and stored == pytest.approx(cost["store_bytes"], rel=0.05), (stored, cost)
 
     resumed = gpuctl("train", "-v", "--resume-from", f"step{EVERY}")  # -v: job.log verbatim
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-2000:]

@@ -123,3 +123,26 @@ def test_sparkline_falls_with_the_loss():
     line = sparkline([5.0, 4.0, 3.0, 2.0])
     assert len(line) == 4 and line[0] == "█" and line[-1] == "▁"
     assert sparkline([1.0]) == ""
+
+
+def test_a_superseded_upload_is_said_and_counted_while_the_newest_checkpoint_stays_shown(capsys):
+    """Saves faster than uploads: the trainer skips a waiting upload (events.jsonl state "superseded")."""
+    from rich.console import Console
+
+    from provision.cli.live import figures
+
+    st, sink = _state(max_steps=4), PlainSink()
+    events = [
+        {"kind": "checkpoint", "tag": "step1", "state": "uploading", "bytes": 13_700_000},
+        {"kind": "checkpoint", "tag": "step2", "state": "uploading", "bytes": 13_700_000},
+        {"kind": "checkpoint", "tag": "step3", "state": "saving"},
+        {"kind": "checkpoint", "tag": "step2", "state": "superseded"},
+    ]
+    new = Update(_status(st, "running"), [], [{"step": 3, "loss": 5.0}], events)
+    st.apply(new)
+    sink.update(st, new)
+    assert st.superseded == ["step2"] and st.checkpoint["tag"] == "step3"
+    assert "checkpoint step2 superseded (upload skipped: a newer save replaces it" in capsys.readouterr().out
+    console = Console(width=200, record=True)
+    console.print(figures(st))
+    assert "step3 saving; 1 superseded (upload skipped), last step2" in console.export_text()

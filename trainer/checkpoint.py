@@ -26,6 +26,7 @@ from trainer.config import DistEnv, RunConfig, TrainerError
 from trainer.diskroom import LocalTag, Room, expected_save_bytes, free_bytes, plan_room, tag_bytes
 
 CKPT_DIR = "checkpoints"
+NOTHING_WAITING = 1 << 24  # coalesce's "no upload waits here" (exact in the float32 all-reduce; above any step)
 STATE_FILE = "trainer_state.json"
 METRICS_FILE = "metrics.jsonl"  # a copy of the run's metrics.jsonl as of the checkpoint (rank 0's node)
 _TAG_STEP = re.compile(r"^step(\d+)$")
@@ -91,11 +92,14 @@ class Checkpointer:
             from trainer.objstore.uploader import BackgroundUploader
 
             done = (lambda tag: events.checkpoint(tag, "published")) if env.is_main else None
-            self.uploader = BackgroundUploader(store, env.node_rank, cfg.num_nodes, on_done=done)
+            skip = (lambda tag: events.checkpoint(tag, "superseded")) if env.is_main else None
+            self.uploader = BackgroundUploader(store, env.node_rank, cfg.num_nodes, on_done=done, on_skip=skip)
+        self.has_store = store is not None  # the same on every rank: whether save() coalesces uploads
 
     def save(self, pos: Position, train_batch_size: int, final: bool = False) -> str | None:
         """Save tag step<N> on every rank (collective); None when the disk had no room (skipped)."""
         tag = f"step{pos.step}"
+        self.coalesce(tag)
         if not self.make_room(tag, final):
             return None
         state = {
@@ -127,6 +131,24 @@ class Checkpointer:
         self.last_tag = tag
         return tag
 
+    def coalesce(self, tag: str) -> None:
+        """Collective: uploads still waiting on every node when a new save begins are superseded by it (skipped;
+        the uploader logs it, events.jsonl says "superseded"), so uploads slower than saves keep at most one
+        running and one waiting. Only steps that wait on every node go: no node starts a tag another drops."""
+        if not self.has_store:
+            return
+        up = self.uploader
+        oldest = up.hold() if up is not None else None
+        agreed = None
+        try:
+            # MAX over ranks: ranks without an uploader say -1; a node with nothing waiting says NOTHING_WAITING
+            mine = -1 if up is None else (NOTHING_WAITING if oldest is None else oldest)
+            agreed = _max_everywhere(mine)
+        finally:
+            if up is not None:
+                drop = agreed if agreed is not None and 0 <= agreed < NOTHING_WAITING else None
+                up.release(drop, by=f"checkpoint {tag}")
+
     def make_room(self, tag: str, final: bool) -> bool:
         """Collective: every node's local rank 0 frees what is safe (trainer.diskroom) and all ranks agree.
         While an upload runs that would free space, everyone waits in short rounds of POLL_S."""
@@ -156,8 +178,10 @@ class Checkpointer:
         tags = [LocalTag(step, name, tag_bytes(self.dir / name)) for step, name in local_tags(self.dir)]
         uploaded = self.uploader.uploaded_tags() if self.uploader is not None else None
         pending = self.uploader.pending_tags() if self.uploader is not None else []
+        # a superseded tag will never be uploaded; the save about to begin replaces it: safe like a stored one
+        gone = self.from_store | set(self.uploader.superseded_tags() if self.uploader is not None else ())
         verdict, delete = plan_room(
-            tags, uploaded, self.from_store, pending, free_bytes(self.dir), need, self.cfg.train.keep_local
+            tags, uploaded, gone, pending, free_bytes(self.dir), need, self.cfg.train.keep_local
         )
         for t in delete:
             shutil.rmtree(self.dir / t.name, ignore_errors=True)
@@ -184,12 +208,14 @@ class Checkpointer:
 
     def prune(self) -> None:
         """Delete local tags beyond the newest keep_local once the store has them or a newer one
-        (a tag whose upload failed goes once a later tag is up; a tag downloaded for resume too)."""
+        (a tag whose upload failed goes once a later tag is up; a tag downloaded for resume, or superseded
+        by a newer save, too)."""
         tags = sorted(local_tags(self.dir))
         uploaded = self.uploader.uploaded_tags() if self.uploader is not None else None
+        superseded = set(self.uploader.superseded_tags()) if self.uploader is not None else set()
         newest_up = max((step for step, tag in tags if uploaded and tag in uploaded), default=-1)
         for step, tag in tags[: -self.cfg.train.keep_local]:
-            if uploaded is None or tag in uploaded or step < newest_up or tag in self.from_store:
+            if uploaded is None or tag in uploaded or step < newest_up or tag in self.from_store | superseded:
                 shutil.rmtree(self.dir / tag, ignore_errors=True)
 
 

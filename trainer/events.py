@@ -2,7 +2,8 @@
 
 Rank 0 appends one JSON object per line to `events.jsonl` in the run dir:
   {"time": epoch, "kind": "phase", "name": "tokenizing data", "detail": "...", "expect_s": 90}
-  {"time": epoch, "kind": "checkpoint", "tag": "step10", "state": "saved|uploading|published", "bytes": N}
+  {"time": epoch, "kind": "checkpoint", "tag": "step10", "state": "saving|saved|uploading|published|superseded", "bytes": N}
+  ("superseded": a waiting upload skipped because a newer save replaced it; trainer/objstore/uploader.py)
 gpuctl reads the file incrementally (provision/flows/watch.py); job.log keeps the full text.
 Other ranks (and runs where start() was not called) write nothing. No torch here.
 """

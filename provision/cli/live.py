@@ -19,7 +19,7 @@ from rich.spinner import Spinner
 from rich.table import Table
 from rich.text import Text
 
-from provision.cli.runview import _duration, _num, checkpoint_text, no_mfu, summary_lines
+from provision.cli.runview import _duration, _num, checkpoint_text, no_mfu, summary_lines, superseded_text
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -101,7 +101,8 @@ def figures(st: WatchState) -> Table:
         "peak memory",
         "  ".join(f"rank{i} {gb:.1f} GB" for i, gb in enumerate(mem)) if mem else "n/a (CPU ranks: no GPU memory)",
     )
-    grid.add_row("checkpoint", checkpoint_text(st.checkpoint)[len("checkpoint ") :] if st.checkpoint else "none yet")
+    shown = checkpoint_text(st.checkpoint)[len("checkpoint ") :] if st.checkpoint else "none yet"
+    grid.add_row("checkpoint", shown + superseded_text(st))
     grid.add_row("cost", cost_text(info))
     return grid
 
@@ -179,4 +180,6 @@ class LiveSink:
         for event in new.events:
             if event.get("kind") == "checkpoint" and event.get("state") in ("uploading", "published", "saved"):
                 self.console.print(Text(checkpoint_text(event), style="cyan"))
+            elif event.get("kind") == "checkpoint" and event.get("state") == "superseded":
+                self.console.print(Text(checkpoint_text(event), style="yellow"))
         self.live.refresh()

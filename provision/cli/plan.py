@@ -33,10 +33,21 @@ def plan(
     strategy: Annotated[
         Optional[str], typer.Option(help="deepspeed | fsdp (default: train.strategy); fsdp adds FSDP2's figures")
     ] = None,
+    checkpoint_every: Annotated[
+        Optional[int], typer.Option("--checkpoint-every", min=0, help="steps between saves (default: train's)")
+    ] = None,
+    upload_mbps: Annotated[
+        Optional[float],
+        typer.Option(
+            "--upload-mbps",
+            min=0.001,
+            help="node -> store MB/s (default: the cluster's last `gpuctl doctor` put figure, else 50)",
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="figures for scripts")] = False,
 ) -> None:
     """GPU memory per rank, host RAM per node (load, steady, resume) and disk, the closest config that fits,
-    tokens/s."""
+    tokens/s, and what a checkpoint save costs (size on disk and in the store, upload time)."""
     from provision.estimate.plan import PlanInput, plan_to_json
     from provision.estimate.plan import plan as run_plan
 
@@ -63,28 +74,72 @@ def plan(
     )
     base.update({k: v for k, v in flags.items() if v is not None})
     result = run_plan(PlanInput(**base))
+    every = checkpoint_every if checkpoint_every is not None else (cfg.train.checkpoint_every if cfg else 10)
+    cost = _save_cost(result, cfg, every, upload_mbps, strategy)
     if strategy == "fsdp":
-        _plan_fsdp(result, as_json)
+        _plan_fsdp(result, as_json, cost)
         return
+    from provision.estimate.checkpoint_cost import cost_to_json
+
     if as_json:
-        typer.echo(json.dumps(plan_to_json(result), indent=2))
+        typer.echo(json.dumps(plan_to_json(result) | {"checkpoint": cost_to_json(cost)}, indent=2))
         return
     from rich.console import Console
 
     from provision.cli.views import plan_table
 
-    Console().print(plan_table(result))
+    console = Console()
+    console.print(plan_table(result))
+    _print_cost(console, cost)
 
 
-def _plan_fsdp(result: Any, as_json: bool) -> None:
+def _save_cost(result: Any, cfg: GpuctlConfig | None, every: int, mbps: float | None, strategy: str) -> Any:
+    """The checkpoint cost at --upload-mbps, else at the put throughput the cluster's last doctor measured."""
+    from provision.estimate.checkpoint_cost import checkpoint_cost, measured_put_mbps
+
+    source = "--upload-mbps"
+    if mbps is None and cfg is not None:
+        from provision.core import state
+
+        rec = state.find_cluster(cfg.cluster_name)
+        if rec is not None and rec.doctor is not None:
+            mbps = measured_put_mbps(rec.doctor.rows)
+            source = f"measured by `gpuctl doctor` on cluster {rec.name} (storage put)"
+    return checkpoint_cost(result, every, mbps, source, strategy)
+
+
+def _print_cost(console: Any, cost: Any) -> None:
+    from rich.table import Column, Table
+
+    from provision.estimate.checkpoint_cost import seconds
+
+    gb = 1e9
+    table = Table("checkpoint save", Column("", justify="right"), title=f"checkpoints ({cost.strategy})")
+    table.add_row("size on node 0's disk", f"{cost.node_bytes / gb:,.2f} GB")
+    table.add_row("size in the store", f"{cost.store_bytes / gb:,.2f} GB")
+    table.add_row(f"upload at {cost.upload_mbps:g} MB/s per node", seconds(cost.upload_s))
+    every = cost.save_every_s
+    table.add_row(
+        "a save every", "end of run only" if every is None else f"{cost.checkpoint_every} steps, ~{seconds(every)}"
+    )
+    table.add_row(f"node disk for keep_local {cost.keep_local} (+1 being written)", f"{cost.disk_bytes / gb:,.2f} GB")
+    console.print(table)
+    console.print(f"upload bandwidth: {cost.upload_source}")
+    if cost.warning():
+        console.print(f"[yellow]warning: {cost.warning()}[/]")
+
+
+def _plan_fsdp(result: Any, as_json: bool, cost: Any) -> None:
     """FSDP2's per-rank figures (provision.estimate.fsdp) beside DeepSpeed's, and which fits better."""
+    from provision.estimate.checkpoint_cost import cost_to_json
     from provision.estimate.fsdp import fsdp_memory, fsdp_to_json
     from provision.estimate.plan import plan_to_json
 
     fsdp = fsdp_memory(result.input)
     figures = fsdp_to_json(result, fsdp)
     if as_json:
-        typer.echo(json.dumps(plan_to_json(result) | {"strategy": "fsdp", "fsdp": figures}, indent=2))
+        out = plan_to_json(result) | {"strategy": "fsdp", "fsdp": figures, "checkpoint": cost_to_json(cost)}
+        typer.echo(json.dumps(out, indent=2))
         return
     from rich.console import Console
     from rich.table import Column, Table
@@ -113,6 +168,7 @@ def _plan_fsdp(result: Any, as_json: bool) -> None:
     console = Console()
     console.print(table)
     console.print(f"better for this config: [bold]{figures['better_strategy']}[/] ({figures['why']})")
+    _print_cost(console, cost)
 
 
 def plan_defaults(cfg: GpuctlConfig | None) -> dict[str, Any]:

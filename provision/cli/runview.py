@@ -44,7 +44,16 @@ def phase_text(event: dict[str, Any]) -> str:
 
 def checkpoint_text(event: dict[str, Any]) -> str:
     size = f" {event['bytes'] / 1e6:,.1f} MB" if isinstance(event.get("bytes"), int) else ""
-    return f"checkpoint {event.get('tag')} {event.get('state')}{size}"
+    why = " (upload skipped: a newer save replaces it; uploads are slower than saves)"
+    return f"checkpoint {event.get('tag')} {event.get('state')}{size}" + (
+        why if event.get("state") == "superseded" else ""
+    )
+
+
+def superseded_text(st: WatchState) -> str:
+    """The live view's note on coalesced uploads: how many saves were skipped, the last one named."""
+    n = len(st.superseded)
+    return f"; {n} superseded (upload skipped), last {st.superseded[-1]}" if n else ""
 
 
 def wall_s(st: WatchState) -> float | None:

@@ -123,6 +123,7 @@ class WatchState:
     metrics: list[dict[str, Any]] = field(default_factory=list)
     phases: list[Phase] = field(default_factory=list)
     checkpoint: dict[str, Any] = field(default_factory=dict)  # the newest checkpoint event
+    superseded: list[str] = field(default_factory=list)  # tags whose upload a newer save replaced (not stored)
     alerts: list[str] = field(default_factory=list)
     fresh_alerts: list[str] = field(default_factory=list)  # those of the last update
 
@@ -133,6 +134,8 @@ class WatchState:
         for event in update.events:
             if event.get("kind") == "phase":
                 self._phase_began(event)
+            elif event.get("kind") == "checkpoint" and event.get("state") == "superseded":
+                self.superseded.append(str(event.get("tag")))  # an older tag: the newest event stays shown
             elif event.get("kind") == "checkpoint":
                 self.checkpoint = event
         if update.metrics and not self.metrics:

@@ -8,15 +8,23 @@ after the job was submitted (default: the store's ``retry_deadline``, storage ke
 "retry_deadline", 3600 s); a permanent error (access denied, missing bucket) fails the
 job at once. Every job gets at least one attempt.
 Failures are remembered and raised by ``wait()``; later jobs still run.
+
+Never falls behind silently: when saves come faster than uploads, a checkpoint still waiting
+(not started) when a newer one is saved is superseded: dropped from the queue, logged and
+reported to ``on_skip``, so at most one upload runs and at most one waits, per node. Which
+tags to drop is agreed by every node at the save (trainer/checkpoint.py): ``hold()`` keeps
+the worker from starting a waiting job and says the oldest waiting step; ``release(from_step)``
+drops the waiting jobs from that step on. A tag dropped on one node is therefore never started
+on any other, and node 0 never waits to publish a tag some node will not upload.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +74,7 @@ class BackgroundUploader:
         backoff_initial: float = 1.0,
         backoff_max: float = 60.0,
         on_done: Callable[[str], None] | None = None,
+        on_skip: Callable[[str], None] | None = None,
     ):
         self.store, self.node_rank, self.num_nodes, self.log = store, node_rank, num_nodes, log
         if retry_deadline is None:
@@ -73,10 +82,13 @@ class BackgroundUploader:
         self.retry_deadline, self.publish_timeout = retry_deadline, publish_timeout
         self.backoff_initial, self.backoff_max = backoff_initial, backoff_max
         self.on_done = on_done  # called with the tag once this node's upload (node 0: and publish) is done
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self.on_skip = on_skip  # called with the tag of a waiting upload that a newer save superseded
+        self._waiting: deque[_Job] = deque()  # submitted, not started, oldest first
+        self._held = False  # hold(): the worker starts no waiting job until release()
         self._cond = threading.Condition()
         self._pending: list[str] = []  # tags submitted and not finished, in order
         self._uploaded: set[str] = set()
+        self._superseded: list[str] = []
         self._errors: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"ckpt-upload-node{node_rank}", daemon=True)
@@ -89,7 +101,43 @@ class BackgroundUploader:
             raise UploadError("BackgroundUploader is closed")
         with self._cond:
             self._pending.append(tag)
-        self._queue.put(_Job(Path(local_tag_dir), tag, step, world_size, time.monotonic()))
+            self._waiting.append(_Job(Path(local_tag_dir), tag, step, world_size, time.monotonic()))
+            self._cond.notify_all()
+
+    def hold(self) -> int | None:
+        """Keep the worker from starting a waiting upload until release(); the oldest waiting step, if any."""
+        with self._cond:
+            self._held = True
+            return self._waiting[0].step if self._waiting else None
+
+    def release(self, from_step: int | None = None, by: str = "a newer save") -> list[str]:
+        """End hold(); first drop the waiting uploads of step >= from_step (superseded by `by`). The dropped tags."""
+        with self._cond:
+            dropped = [j for j in self._waiting if from_step is not None and j.step >= from_step]
+            for job in dropped:
+                self._waiting.remove(job)
+                self._pending.remove(job.tag)
+                self._superseded.append(job.tag)
+            self._held = False
+            self._cond.notify_all()
+        for job in dropped:
+            self.log(
+                f"checkpoint {job.tag}: upload skipped, superseded by {by} (saves come faster than uploads; "
+                "the newer one goes to the store instead)"
+            )
+            if self.on_skip is not None:
+                self.on_skip(job.tag)
+        return [j.tag for j in dropped]
+
+    def waiting_tags(self) -> list[str]:
+        """Tags submitted and not started yet, oldest first."""
+        with self._cond:
+            return [j.tag for j in self._waiting]
+
+    def superseded_tags(self) -> list[str]:
+        """Tags whose upload was skipped because a newer save superseded them, oldest first."""
+        with self._cond:
+            return list(self._superseded)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every submitted checkpoint is done; raise UploadError on failures."""
@@ -132,17 +180,15 @@ class BackgroundUploader:
         try:
             self.wait(timeout)
         finally:
-            self._stop.set()
-            self._queue.put(None)
+            with self._cond:
+                self._stop.set()
+                self._cond.notify_all()
             self._thread.join(timeout=5)
 
     # -- worker --------------------------------------------------------------------------
     def _run(self) -> None:
         _yield_cpu()
-        while not self._stop.is_set():
-            job = self._queue.get()
-            if job is None:
-                break
+        while (job := self._next()) is not None:
             error = None
             try:
                 self._process(job)
@@ -162,6 +208,12 @@ class BackgroundUploader:
                         self.on_done(job.tag)
                 self._pending.remove(job.tag)
                 self._cond.notify_all()
+
+    def _next(self) -> _Job | None:
+        """The oldest waiting job once one may start; None once closed."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._stop.is_set() or (bool(self._waiting) and not self._held))
+            return None if self._stop.is_set() else self._waiting.popleft()
 
     def _process(self, job: _Job) -> None:
         # Counted from submission, so tags queued behind a long outage do not each get a
