@@ -89,7 +89,7 @@ class CheckpointStore:
         """storage = {"url": "file:///abs" | "s3://bucket/prefix", "endpoint_url", "region",
         "profile", "keep": K}; optional "retry_deadline" (s, how long BackgroundUploader
         retries one checkpoint, default 3600) and S3 tuning keys named as S3Options' fields:
-        multipart_threshold, multipart_chunksize (bytes), max_concurrency, max_attempts
+        multipart_threshold, multipart_chunksize, max_buffer (bytes), max_concurrency, max_attempts
         (per request, botocore standard retry mode), connect_timeout, read_timeout (s).
         Credentials come from boto3's chain (env, profile, instance role), never from here."""
         url = storage.get("url") or ""
