@@ -113,16 +113,21 @@ def child(args: argparse.Namespace) -> None:
     store = CheckpointStore.from_config({"url": args.url, "endpoint_url": args.endpoint})
     tag = args.src.name
     t = time.perf_counter()
+    publish = 0.0
     if args.child == "up":
         store.upload_shards(args.src, tag, 0, step=100)
+        t_pub = time.perf_counter()
         assert store.publish(tag, 100, 1, 1, timeout=30)
+        publish = time.perf_counter() - t_pub
     else:
         store.download(tag, args.dst)
-    print(json.dumps({"seconds": time.perf_counter() - t}))
+    print(json.dumps({"seconds": time.perf_counter() - t, "publish": publish}))
 
 
-def run_objstore(direction: str, url: str, ep: str, src: Path, dst: Path, env: dict[str, str]) -> tuple[float, int]:
-    """(seconds, peak RSS in bytes) of one objstore child."""
+def run_objstore(
+    direction: str, url: str, ep: str, src: Path, dst: Path, env: dict[str, str]
+) -> tuple[float, float, int]:
+    """(seconds, of which publishing, peak RSS in bytes) of one objstore child."""
     cmd = [sys.executable, __file__, "--child", direction, "--url", url, "--endpoint", ep, "--src", str(src)]
     cmd += ["--dst", str(dst)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -132,16 +137,17 @@ def run_objstore(direction: str, url: str, ep: str, src: Path, dst: Path, env: d
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         raise RuntimeError(f"objstore {direction} failed ({proc.returncode}): {err[-2000:]}")
-    return float(json.loads(out.strip().splitlines()[-1])["seconds"]), usage.ru_maxrss * 1024
+    res = json.loads(out.strip().splitlines()[-1])
+    return float(res["seconds"]), float(res["publish"]), usage.ru_maxrss * 1024
 
 
 def one_tool(tool: str, prefix: str, bucket: str, ep: str, src: Path, dst: Path, env: dict[str, str]) -> dict:
     """Upload src to s3://bucket/prefix and download it to dst with ``tool``."""
-    rss = 0
+    rss, publish = 0, 0.0
     if tool == "objstore":
         url = f"s3://{bucket}/{prefix}"
-        up, rss_up = run_objstore("up", url, ep, src, dst, env)
-        down, rss_down = run_objstore("down", url, ep, src, dst, env)
+        up, publish, rss_up = run_objstore("up", url, ep, src, dst, env)
+        down, _, rss_down = run_objstore("down", url, ep, src, dst, env)
         got, rss = dst / src.name, max(rss_up, rss_down)
     elif tool == "s5cmd":
         exe = str(venv_bin("s5cmd"))
@@ -155,7 +161,7 @@ def one_tool(tool: str, prefix: str, bucket: str, ep: str, src: Path, dst: Path,
         got = dst
     else:
         raise SystemExit(f"unknown tool {tool}")
-    return {"up_s": up, "down_s": down, "got": got, "rss": rss}
+    return {"up_s": up, "down_s": down, "got": got, "rss": rss, "publish_s": publish}
 
 
 def delete_prefix(server: MotoS3 | RcloneS3, bucket: str, prefix: str) -> None:
@@ -185,8 +191,11 @@ def bench_server(name: str, server: MotoS3 | RcloneS3, src: Path, work: Path, ar
                 shutil.rmtree(dst, ignore_errors=True)
                 delete_prefix(server, bucket, f"{tool}-{r}")
                 up, down = total / 1e6 / res["up_s"], total / 1e6 / res["down_s"]
-                runs[tool].append({"up_MBps": up, "down_MBps": down, "load": load, "rss": res["rss"], "ok": ok})
-                rss = f"   peak RSS {res['rss'] / 2**20:5.0f} MiB" if res["rss"] else ""
+                pub = res["publish_s"]
+                runs[tool].append(
+                    {"up_MBps": up, "down_MBps": down, "load": load, "rss": res["rss"], "ok": ok, "publish_s": pub}
+                )
+                rss = f"   peak RSS {res['rss'] / 2**20:5.0f} MiB, publish {pub:.2f} s" if res["rss"] else ""
                 print(
                     f"[{name} round {r + 1}] {tool:8s} up {up:6.1f} MB/s  down {down:6.1f} MB/s"
                     f"   load {load:5.2f}{'   identical: ' + str(ok) if ok is not None else ''}{rss}",

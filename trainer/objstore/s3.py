@@ -321,6 +321,6 @@ class S3Backend:
         return self._transfer(
             f"downloading {len(items)} files",
             lambda: s3parts.download(
-                client, self.bucket, self._key, items, self.part_size, o.max_concurrency, o.max_buffer, progress
+                client, self.bucket, self._key, items, self.part_size, o.max_concurrency, progress
             ),
         )

@@ -11,10 +11,12 @@ endpoint_url and the CRT cannot resolve a host:port endpoint (boto/boto3#4839), 
 talk to the S3-compatible stores we support.
 
 Upload: a part is read (pread, page cache) into one buffer and sent with its precomputed
-SHA256 (S3 checks it and keeps the composite publish compares). Download: each part is one
-ranged GET written with pwrite; its bytes go to the file's sha256 in order, so a file is
-verified without reading it again. Memory is bounded: parts are taken in order against a
-budget of ``max_buffer`` bytes (S3Options) and given back once sent, or once hashed.
+SHA256 (S3 checks it and keeps the composite publish compares); the parts alive at once are
+bounded by ``max_buffer`` bytes (S3Options). Download: a file is one GET, or a few long
+ranged GETs (one per connection), streamed to disk with pwrite in STREAM_CHUNK pieces; each
+range is hashed into the file's sha256 as soon as the ranges before it are on disk, from the
+page cache, so the file is verified while the rest still arrives. Memory: one chunk per
+connection.
 Retries are botocore's (standard mode) per request; the first failure cancels the rest,
 aborts the unfinished multipart uploads and is raised to S3Backend, which maps it.
 """
@@ -206,25 +208,56 @@ def _put_part(
 
 
 # --------------------------------------------------------------------------- download
+STREAM_CHUNK = 4 << 20  # a download connection holds one such buffer at a time
+STREAM_ATTEMPTS = 5  # a long range cut mid-body resumes where it stopped (as s3transfer does)
+
+
 class _InOrderHash:
-    """sha256 of a file whose parts arrive in any order: each part is hashed once its
-    predecessors are, then its buffer is dropped and its bytes given back to the budget."""
+    """sha256 of a file whose ranges are written in any order: once a range and all before
+    it are on disk, one worker hashes them, read back from the page cache they were just
+    written to (a memcpy, no disk I/O), while the other ranges go on downloading."""
 
-    def __init__(self, budget: _Budget):
+    def __init__(self, fd: int, ranges: list[tuple[int, int]]):
         self.digest = hashlib.sha256()
-        self._next = 0
-        self._waiting: dict[int, tuple[bytes, int]] = {}
+        self._fd, self._ranges = fd, ranges
+        self._next, self._done, self._active = 0, set[int](), False
         self._lock = threading.Lock()
-        self._budget = budget
 
-    def add(self, index: int, data: bytes, reserved: int) -> None:
+    def written(self, index: int) -> None:
         with self._lock:
-            self._waiting[index] = (data, reserved)
-            while self._next in self._waiting:
-                part, taken = self._waiting.pop(self._next)
-                self.digest.update(part)  # releases the GIL
+            self._done.add(index)
+            if self._active:
+                return  # the worker hashing now will get to it
+            self._active = True
+        while True:
+            with self._lock:
+                if self._next not in self._done:
+                    self._active = False
+                    return
+                start, length = self._ranges[self._next]
+            for off in range(start, start + length, STREAM_CHUNK):
+                self.digest.update(os.pread(self._fd, min(STREAM_CHUNK, start + length - off), off))
+            with self._lock:
                 self._next += 1
-                self._budget.give(taken)
+
+
+def ranges_for(
+    items: list[DownloadItem], part_size: Callable[[int], int | None], concurrency: int
+) -> list[list[tuple[int, int]]]:
+    """Each file's byte ranges, one GET each: a file below the multipart threshold is one
+    GET; larger files share the ``concurrency`` connections in proportion to their size, so
+    each connection streams one long range (few requests: a server that reads the whole
+    object for each ranged GET, like moto, is not made to read it many times)."""
+    large = sum(it.size for it in items if part_size(it.size))
+    out = []
+    for it in items:
+        if not part_size(it.size):
+            out.append([(0, it.size)])
+            continue
+        n = max(1, min(concurrency, round(concurrency * it.size / large)))
+        step = -(-it.size // n)
+        out.append([(start, min(step, it.size - start)) for start in range(0, it.size, step)])
+    return out
 
 
 def download(
@@ -234,30 +267,22 @@ def download(
     items: list[DownloadItem],
     part_size: Callable[[int], int | None],
     concurrency: int,
-    max_buffer: int,
     progress: Progress,
 ) -> dict[str, str]:
     """Download ``items`` to their dest; returns each key's sha256 (hex) of the bytes written."""
     batch = _Batch(concurrency)
-    budget = _Budget(max_buffer, batch.failed)  # taken in file and part order: no deadlock
     hashes: dict[str, _InOrderHash] = {}
     fds: list[int] = []
     try:
-        for it in items:
+        for it, ranges in zip(items, ranges_for(items, part_size, concurrency), strict=True):
             it.dest.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(it.dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(it.dest, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             fds.append(fd)
             os.ftruncate(fd, it.size)
-            psize = part_size(it.size) or max(it.size, 1)
-            hashes[it.key] = h = _InOrderHash(budget)
-            for n, start in enumerate(range(0, max(it.size, 1), psize)):
-                length = min(psize, it.size - start)
-                if not budget.take(length):
-                    break
-                args = (client, bucket, key_of(it.key), fd, n, start, length, psize >= it.size, h, budget, progress)
-                batch.submit(_get_part, *args)
-            if batch.failed.is_set():
-                break
+            hashes[it.key] = h = _InOrderHash(fd, ranges)
+            whole = len(ranges) == 1
+            for n, (start, length) in enumerate(ranges):
+                batch.submit(_get_range, client, bucket, key_of(it.key), fd, n, start, length, whole, h, progress)
         exc = batch.finish()
         if exc is not None:
             raise exc
@@ -268,7 +293,7 @@ def download(
     return {key: h.digest.hexdigest() for key, h in hashes.items()}
 
 
-def _get_part(
+def _get_range(
     client: Any,
     bucket: str,
     key: str,
@@ -278,20 +303,26 @@ def _get_part(
     length: int,
     whole: bool,
     hasher: _InOrderHash,
-    budget: _Budget,
     progress: Progress,
 ) -> None:
-    try:
+    from botocore.exceptions import HTTPClientError
+
+    got, attempt = 0, 1
+    while True:
         if whole:  # one GET (also an empty object, which has no byte range)
             resp = client.get_object(Bucket=bucket, Key=key)
         else:
-            resp = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{start + length - 1}")
-        data: bytes = resp["Body"].read()
-        if not whole and len(data) != length:
-            raise OSError(f"short read of {key} bytes {start}-{start + length - 1}: got {len(data)}")
-    except BaseException:
-        budget.give(length)
-        raise
-    os.pwrite(fd, data, start)
-    progress.add(len(data))
-    hasher.add(index, data, length)
+            resp = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start + got}-{start + length - 1}")
+        try:
+            for chunk in resp["Body"].iter_chunks(STREAM_CHUNK):
+                os.pwrite(fd, chunk, start + got)
+                got += len(chunk)
+                progress.add(len(chunk))
+            break
+        except HTTPClientError:  # cut mid-body: botocore retried the request, not the stream
+            if whole or attempt >= STREAM_ATTEMPTS:
+                raise
+            attempt += 1  # go on from the last byte written
+    if not whole and got != length:
+        raise OSError(f"short read of {key} bytes {start}-{start + length - 1}: got {got}")
+    hasher.written(index)

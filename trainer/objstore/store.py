@@ -11,8 +11,8 @@ the store vouches for (S3's SHA256 checksum, else the object's sha256 metadata; 
 stored file hashed) is skipped, so a no-op sync costs one GET (marker), one LIST and one HEAD
 per file. Local hashes are cached on (path, size, mtime_ns). Publish counts a checkpoint only
 once every stored file matches its node's sha256 (the store's checksum, or read back). Pruning
-(``keep`` K) removes older checkpoints only after a newer one is complete, manifest first.
-Download (fetch.py) verifies every file's size and sha256; on a missing or corrupt file it
+(``keep`` K, retention.py) removes older checkpoints only after a newer one is complete,
+manifest first. Download (retention.py, fetch.py) verifies every file's size and sha256; on a missing or corrupt file it
 logs a line and falls back to the previous complete checkpoint. It writes ``dest/<tag>/...``
 and ``dest/latest`` (DeepSpeed's load_checkpoint layout). Manifests and markers read back are
 checked first (layout.py): a hostile one is refused before anything is written.
@@ -32,21 +32,18 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from trainer.objstore.atomic import atomic_write
 from trainer.objstore.backends import (
     FileBackend,
     ObjectStat,
     Progress,
     ProgressFn,
     StorageError,
-    StorageNotFound,
     UnsafeManifest,
     UploadItem,
     VerificationError,
     _hash_many,
     part_checksums,
 )
-from trainer.objstore.fetch import fetch_tag
 from trainer.objstore.layout import (
     FORMAT,
     LATEST,
@@ -62,6 +59,7 @@ from trainer.objstore.layout import (
     marker_files,
     step_from_tag,
 )
+from trainer.objstore.retention import download, prune
 from trainer.objstore.s3 import S3Backend, S3Options
 
 _log = logging.getLogger("gpuctl.objstore")
@@ -327,12 +325,16 @@ class CheckpointStore:
                 f"checkpoint {tag}: node markers list files that are missing or "
                 f"of the wrong size in {self.url}: {bad[:5]}"
             )
+
         # Size is not enough: the stored bytes must be the ones each node hashed (README's promise).
-        corrupt = sorted(
-            rel
-            for rel, f in files.items()
-            if not self.backend.content_matches(f"{tag}/{rel}", f["size"], f["sha256"], composites[rel])
-        )
+        # One HEAD per file (a read-back where the store keeps no checksum), in parallel.
+        def matches(rel: str) -> bool:
+            f = files[rel]
+            return self.backend.content_matches(f"{tag}/{rel}", f["size"], f["sha256"], composites[rel])
+
+        rels = sorted(files)
+        with ThreadPoolExecutor(max_workers=max(1, min(16, len(rels)))) as pool:
+            corrupt = [rel for rel, ok in zip(rels, pool.map(matches, rels), strict=True) if not ok]
         if corrupt:
             raise VerificationError(
                 f"checkpoint {tag}: stored files do not match the sha256 their node recorded "
@@ -360,65 +362,12 @@ class CheckpointStore:
         return True
 
     def _prune(self, infos: builtins.list[CheckpointInfo] | None = None) -> None:
-        """Keep the newest ``keep`` complete checkpoints; drop older complete ones and
-        incomplete ones older than the oldest kept. Manifest first, so a half-deleted
-        checkpoint is never taken for complete."""
-        if not self.keep:
-            return
-        infos = infos if infos is not None else self.list()
-        complete = [i for i in infos if i.complete]
-        if len(complete) <= self.keep:
-            return
-        kept = complete[: self.keep]
-        oldest_kept = kept[-1].step
-        raw = self.backend.read_bytes(LATEST)
-        latest_tag = raw.decode("utf-8", "replace").strip() if raw else ""
-        for info in self.list():
-            if info.tag in {k.tag for k in kept} or info.tag == latest_tag:
-                continue
-            if info.complete or (0 <= info.step < oldest_kept):
-                self.backend.delete([f"{info.tag}/{MANIFEST}"])
-                self.backend.delete_prefix(info.tag)
-                _log.info("pruned checkpoint %s from %s", info.tag, self.url)
+        """Keep the newest ``keep`` complete checkpoints (retention.prune)."""
+        prune(self, infos)
 
     # -- downloading -------------------------------------------------------------------
     def download(self, tag: str | None, dest: Path, progress: ProgressFn | None = None) -> CheckpointInfo:
         """Download ``tag`` (None: the latest complete) into ``dest/<tag>`` and write
-        ``dest/latest``. Falls back to older complete checkpoints if it fails verification."""
-        dest = Path(dest)
-        if tag is not None:
-            check_tag(tag)
-        complete = [i for i in self.list() if i.complete]
-        if tag is None:
-            first = self.latest()
-            if first is None:
-                raise StorageNotFound(f"no complete checkpoint in {self.url}")
-        else:
-            first = next((i for i in complete if i.tag == check_tag(tag)), None)
-            if first is None:
-                older = [i for i in complete if i.step < step_from_tag(tag)]
-                if not older:
-                    raise StorageNotFound(
-                        f"checkpoint {tag} is not complete in {self.url} and there is no older complete one"
-                    )
-                self.log(f"checkpoint {tag} is not complete in {self.url}; falling back to {older[0].tag}")
-                first = older[0]
-        candidates = [first] + [i for i in complete if i.step < first.step]
-        for n, info in enumerate(candidates):
-            try:
-                fetch_tag(self.backend, info, dest, progress)
-            except (VerificationError, StorageNotFound) as exc:
-                nxt = candidates[n + 1].tag if n + 1 < len(candidates) else None
-                if nxt is None:
-                    raise VerificationError(
-                        f"checkpoint {info.tag} failed verification ({exc}) "
-                        f"and no older complete checkpoint is left in {self.url}"
-                    ) from exc
-                self.log(
-                    f"checkpoint {info.tag} failed verification ({exc}); "
-                    f"falling back to previous complete checkpoint {nxt}"
-                )
-                continue
-            atomic_write(dest / LATEST, info.tag)
-            return info
-        raise AssertionError("unreachable")  # the loop returns or raises
+        ``dest/latest``. Falls back to older complete checkpoints if it fails verification
+        (retention.download)."""
+        return download(self, tag, dest, progress)
