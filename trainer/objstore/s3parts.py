@@ -209,6 +209,7 @@ def _put_part(
 
 # --------------------------------------------------------------------------- download
 STREAM_CHUNK = 4 << 20  # a download connection holds one such buffer at a time
+MIN_RANGE = 64 << 20  # a shorter range costs more in requests than it gains in parallelism
 STREAM_ATTEMPTS = 5  # a long range cut mid-body resumes where it stopped (as s3transfer does)
 
 
@@ -245,16 +246,17 @@ def ranges_for(
     items: list[DownloadItem], part_size: Callable[[int], int | None], concurrency: int
 ) -> list[list[tuple[int, int]]]:
     """Each file's byte ranges, one GET each: a file below the multipart threshold is one
-    GET; larger files share the ``concurrency`` connections in proportion to their size, so
-    each connection streams one long range (few requests: a server that reads the whole
-    object for each ranged GET, like moto, is not made to read it many times)."""
+    GET; larger files share the ``concurrency`` connections in proportion to their size, in
+    ranges of at least MIN_RANGE bytes, so each connection streams one long range. Few
+    requests: a server that reads the whole object for each ranged GET (moto does) is not
+    made to read it many times, and real S3 gives each connection its full speed on a range."""
     large = sum(it.size for it in items if part_size(it.size))
     out = []
     for it in items:
         if not part_size(it.size):
             out.append([(0, it.size)])
             continue
-        n = max(1, min(concurrency, round(concurrency * it.size / large)))
+        n = max(1, min(round(concurrency * it.size / large), it.size // MIN_RANGE))
         step = -(-it.size // n)
         out.append([(start, min(step, it.size - start)) for start in range(0, it.size, step)])
     return out
