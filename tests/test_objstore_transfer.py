@@ -150,3 +150,38 @@ def test_a_range_cut_mid_body_goes_on_from_where_it_stopped(make_store, tmp_path
     resumed = [r for r in gets if r.startswith("bytes=") and not r.startswith("bytes=0-")]
     first_range_end = next(r for r in gets if r.startswith("bytes=0-")).split("-")[1]
     assert any(r.endswith(f"-{first_range_end}") for r in resumed)  # the rest of the cut range
+
+
+def test_a_store_without_checksums_is_vouched_for_by_etags_not_read_back(s3_env, tmp_path):
+    """rclone serve s3 keeps no SHA256 checksums: the node records whole-file MD5s, and publish
+    compares them with the listed ETags instead of downloading every file again."""
+    from tests.s3server import RcloneS3
+
+    with RcloneS3(tmp_path / "rclone") as server:
+        bucket = server.make_bucket()
+        cfg = {"url": f"s3://{bucket}/ckpt", "endpoint_url": server.endpoint, **TUNING}
+        store = CheckpointStore.from_config(cfg)
+        src = save_dir(tmp_path / "step4", {"model.pt": 13 * MiB, "optim.pt": 3 * MiB, "tiny.json": 300})
+        store.upload_shards(src, "step4", 0)
+        assert store.backend.keeps_checksums is False
+        gets: list[str] = []
+        store.backend.client.meta.events.register(
+            "before-parameter-build.s3.GetObject", lambda params, **_: gets.append(params["Key"])
+        )
+        assert store.publish("step4", 4, 1, 1, timeout=10)
+        assert not [k for k in gets if k.endswith((".pt", "tiny.json"))], gets
+
+        # A file changed behind the marker has another ETag: read back, refused.
+        (tmp_path / "evil").write_bytes(os.urandom(3 * MiB))
+        store.backend.client.upload_file(str(tmp_path / "evil"), bucket, "ckpt/step4/optim.pt")
+        with pytest.raises(VerificationError):
+            store.publish("step4", 4, 1, 1, timeout=10)
+
+        # A fresh process re-syncing the unchanged files keeps the checkpoint published.
+        again = CheckpointStore.from_config(cfg)
+        src2 = save_dir(tmp_path / "step5", {"model.pt": 7 * MiB})
+        again.upload_shards(src2, "step5", 0)
+        assert again.publish("step5", 5, 1, 1, timeout=10)
+        fresh = CheckpointStore.from_config(cfg)
+        fresh.upload_shards(src2, "step5", 0)
+        assert fresh.latest() is not None and fresh.latest().tag == "step5"

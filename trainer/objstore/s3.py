@@ -80,6 +80,10 @@ class S3Backend:
         self.options = options
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self._client: Any = None  # boto3 ships no type information
+        # Whether the store keeps the SHA256 checksums we send (None: no upload yet). One that
+        # does not (rclone serve s3) gets whole-file MD5s in the node marker: a listed ETag
+        # that equals one vouches for the bytes, where a read-back would cost a download.
+        self.keeps_checksums: bool | None = None
         self._client_lock = threading.Lock()
 
     # -- client (lazy: boto3 costs ~0.3 s to import) ---------------------------------
@@ -184,7 +188,8 @@ class S3Backend:
         try:
             for page in pages:
                 for obj in page.get("Contents", ()):
-                    out[obj["Key"][strip:]] = ObjectStat(int(obj["Size"]), obj["LastModified"].timestamp())
+                    etag = str(obj.get("ETag", "")).strip('"')
+                    out[obj["Key"][strip:]] = ObjectStat(int(obj["Size"]), obj["LastModified"].timestamp(), etag)
         except (bx.ClientError, bx.BotoCoreError) as exc:
             raise self._error(exc, f"listing {full or '/'}") from exc
         return out
@@ -303,15 +308,17 @@ class S3Backend:
             raise self._error(exc, what) from exc
 
     def upload_files(self, items: builtins.list[UploadItem], progress: Progress) -> None:
+        """Upload; learns whether the store keeps SHA256 checksums (``keeps_checksums``)."""
         if not items:
             return
         client, o = self.client, self.options
-        self._transfer(
+        kept = self._transfer(
             f"uploading {len(items)} files",
             lambda: s3parts.upload(
                 client, self.bucket, self._key, items, self.part_size, o.max_concurrency, o.max_buffer, progress
             ),
         )
+        self.keeps_checksums = kept if self.keeps_checksums is None else self.keeps_checksums and kept
 
     def download_files(self, items: builtins.list[DownloadItem], progress: Progress) -> dict[str, str]:
         """Download each item to its dest; each key's sha256 of the bytes written (hashed in flight)."""

@@ -110,8 +110,9 @@ def upload(
     concurrency: int,
     max_buffer: int,
     progress: Progress,
-) -> None:
-    """Upload ``items`` (their sha256 known); raises the first botocore/OS error."""
+) -> bool:
+    """Upload ``items`` (their sha256 known); raises the first botocore/OS error. True when
+    the store answered every request with the SHA256 checksum it verified and keeps."""
     batch = _Batch(concurrency)
     budget = _Budget(max_buffer, batch.failed)
     open_uploads: dict[str, str] = {}  # key -> UploadId, until completed
@@ -144,11 +145,12 @@ def upload(
         if exc is not None:
             raise exc
         for key, upload_id, parts in completions:
-            done = [f.result() for f in parts]
+            done = [f.result()[0] for f in parts]
             client.complete_multipart_upload(
                 Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": done}
             )
             del open_uploads[key]
+        return all(f.result()[1] for f in batch.futures)
     finally:
         batch.pool.shutdown(wait=True, cancel_futures=True)
         for key, upload_id in open_uploads.items():  # best effort: the server may be down
@@ -160,16 +162,18 @@ def upload(
 
 def _put_whole(
     client: Any, bucket: str, key: str, it: UploadItem, meta: dict[str, str], progress: Progress, budget: _Budget
-) -> None:
+) -> tuple[None, bool]:
+    """One PUT; (None, whether the store kept its SHA256 checksum)."""
     try:
         data = Path(it.local).read_bytes()
         if len(data) != it.size:
             raise OSError(f"{it.local} changed size while uploading ({it.size} -> {len(data)} bytes)")
         sha = _b64(bytes.fromhex(it.sha256))
-        client.put_object(Bucket=bucket, Key=key, Body=data, Metadata=meta, ChecksumSHA256=sha)
+        resp = client.put_object(Bucket=bucket, Key=key, Body=data, Metadata=meta, ChecksumSHA256=sha)
     finally:
         budget.give(it.size)
     progress.add(len(data))
+    return None, bool(resp.get("ChecksumSHA256"))
 
 
 def _put_part(
@@ -184,7 +188,7 @@ def _put_part(
     digest: bytes,
     progress: Progress,
     budget: _Budget,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], bool]:
     try:
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -204,7 +208,8 @@ def _put_part(
     finally:
         budget.give(size)
     progress.add(len(data))
-    return {"PartNumber": number, "ETag": resp["ETag"], "ChecksumSHA256": _b64(digest)}
+    kept = bool(resp.get("ChecksumSHA256"))  # absent: the store ignores checksums (rclone serve s3)
+    return {"PartNumber": number, "ETag": resp["ETag"], "ChecksumSHA256": _b64(digest)}, kept
 
 
 # --------------------------------------------------------------------------- download

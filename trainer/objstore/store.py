@@ -42,12 +42,15 @@ from trainer.objstore.backends import (
     UploadItem,
     VerificationError,
     _hash_many,
+    md5_files,
     part_checksums,
+    small_md5s,
 )
 from trainer.objstore.layout import (
     FORMAT,
     LATEST,
     MANIFEST,
+    MD5_RE,
     NODES_DIR,
     TAG_RE,
     CheckpointInfo,
@@ -212,9 +215,16 @@ class CheckpointStore:
         sizes = {rel: p.stat().st_size for rel, p in local.items()}
         composites = part_checksums(self.backend.part_size, local, sizes)  # (fills _hash_many's cache)
         hashes = dict(zip(local, _hash_many(list(local.values())), strict=True))
+        md5s = small_md5s(local, sizes)
         marker_key = f"{tag}/{NODES_DIR}/{node_rank}.json"
         marker = self._read_json(marker_key) or {}
         recorded = marker.get("files", {})
+        for rel, rec in recorded.items() if isinstance(recorded, dict) else ():
+            # The whole-file md5 our marker holds for these very bytes (a store without checksums)
+            # still holds: the marker stays the same, and the listed ETag can vouch for the file.
+            if rel in local and rel not in md5s and isinstance(rec, dict) and rec.get("sha256") == hashes[rel]:
+                if isinstance(rec.get("md5"), str) and MD5_RE.match(rec["md5"]):
+                    md5s[rel] = rec["md5"]
         remote = self.backend.list(f"{tag}/")
 
         # Skip a file only when the store vouches for its bytes (its checksum; a store without one:
@@ -223,6 +233,8 @@ class CheckpointStore:
         listed = [rel for rel in local if (st := remote.get(f"{tag}/{rel}")) is not None and st.size == sizes[rel]]
 
         def vouched(rel: str) -> bool:
+            if rel in md5s and remote[f"{tag}/{rel}"].etag == md5s[rel]:
+                return True  # the listing's ETag is the MD5 of the stored bytes: no HEAD
             return self.backend.content_matches(
                 f"{tag}/{rel}", sizes[rel], hashes[rel], composites.get(rel), read_back=False
             )
@@ -238,6 +250,8 @@ class CheckpointStore:
         new_files: dict[str, dict[str, Any]] = {rel: {"size": sizes[rel], "sha256": hashes[rel]} for rel in local}
         for rel, composite in composites.items():
             new_files[rel]["s3_sha256"] = composite
+        for rel, md5 in md5s.items():
+            new_files[rel]["md5"] = md5
         if not todo and marker and recorded == new_files:
             return  # no-op sync
         if f"{tag}/{MANIFEST}" in remote:
@@ -247,6 +261,9 @@ class CheckpointStore:
         prog = Progress(progress, sum(i.size for i in todo))
         self.backend.upload_files(todo, prog)
         prog.finish()
+        if self.backend.keeps_checksums is False:  # publish then compares listed ETags, no read-back
+            for rel, md5 in md5_files({r: p for r, p in local.items() if r not in md5s}).items():
+                new_files[rel]["md5"] = md5
         self.backend.write_bytes(
             marker_key,
             dumps(
@@ -302,6 +319,7 @@ class CheckpointStore:
 
         files: dict[str, dict[str, Any]] = {}
         composites: dict[str, str | None] = {}
+        md5s: dict[str, str | None] = {}
         for rank in range(num_nodes):
             key = f"{tag}/{NODES_DIR}/{rank}.json"
             marker = self._read_json(key)
@@ -316,6 +334,7 @@ class CheckpointStore:
                     )
                 files.setdefault(rel, {"size": f["size"], "sha256": f["sha256"], "node": rank})
                 composites.setdefault(rel, f.get("s3_sha256"))
+                md5s.setdefault(rel, f.get("md5"))
         remote = self.backend.list(f"{tag}/")
         bad = sorted(
             rel for rel, f in files.items() if (st := remote.get(f"{tag}/{rel}")) is None or st.size != f["size"]
@@ -327,9 +346,12 @@ class CheckpointStore:
             )
 
         # Size is not enough: the stored bytes must be the ones each node hashed (README's promise).
-        # One HEAD per file (a read-back where the store keeps no checksum), in parallel.
+        # One HEAD per file not vouched for by its listed ETag (a read-back where the store keeps no
+        # checksum), in parallel.
         def matches(rel: str) -> bool:
             f = files[rel]
+            if md5s[rel] and remote[f"{tag}/{rel}"].etag == md5s[rel]:
+                return True  # the listing's ETag is the MD5 of the stored bytes: no HEAD
             return self.backend.content_matches(f"{tag}/{rel}", f["size"], f["sha256"], composites[rel])
 
         rels = sorted(files)
