@@ -7,10 +7,12 @@ store is first used.
 The layout of a store (tags, node markers, manifests, `latest`) is in layout.py.
 
 Upload is incremental: a local file whose object is listed with its size and whose bytes
-the store vouches for (S3's SHA256 checksum, else the object's sha256 metadata; file://: the
-stored file hashed) is skipped, so a no-op sync costs one GET (marker), one LIST and one HEAD
-per file. Local hashes are cached on (path, size, mtime_ns). Publish counts a checkpoint only
-once every stored file matches its node's sha256 (the store's checksum, or read back). Pruning
+the store vouches for (its listed ETag equals the file's md5, recorded for files up to 1 MiB
+and, on a store that keeps no checksums, for all; else S3's SHA256 checksum, else the object's
+sha256 metadata; file://: the stored file hashed) is skipped, so a no-op sync costs one GET
+(marker), one LIST and one HEAD per large file. Local hashes are cached on (path, size,
+mtime_ns). Publish counts a checkpoint only once every stored file matches its node's digests
+(ETag, the store's checksum, or read back). Pruning
 (``keep`` K, retention.py) removes older checkpoints only after a newer one is complete,
 manifest first. Download (retention.py, fetch.py) verifies every file's size and sha256; on a missing or corrupt file it
 logs a line and falls back to the previous complete checkpoint. It writes ``dest/<tag>/...``
