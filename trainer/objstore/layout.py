@@ -7,7 +7,8 @@ Layout under the store root (``s3://bucket/prefix`` or ``file:///abs/dir``)::
     <root>/<tag>/_nodes/<node_rank>.json     written by each node after ALL of its files
                                              of <tag> are uploaded:
                                              {"format", "tag", "node_rank", "step", "time",
-                                              "files": {relpath: {"size", "sha256"}}}
+                                              "files": {relpath: {"size", "sha256"[, "s3_sha256"
+                                              (multipart composite), "md5" (its ETag)]}}}
     <root>/<tag>/manifest.json               written by node 0 once every node's marker
                                              is in: {"format", "tag", "step", "world_size",
                                              "num_nodes", "time",
@@ -44,6 +45,7 @@ NODES_DIR = "_nodes"
 TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 STEP_RE = re.compile(r"(\d+)$")
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+MD5_RE = re.compile(r"^[0-9a-f]{32}$")
 MAX_PATH = 1024  # bytes of one relative path (Linux: 4096 for a whole path, 255 a name)
 
 
@@ -137,7 +139,7 @@ def manifest_info(m: object, tag: str, where: str) -> CheckpointInfo:
 
 
 def marker_files(marker: object, where: str) -> dict[str, dict[str, Any]]:
-    """The files a node marker lists ({path: {"size", "sha256"[, "s3_sha256"]}}), every entry checked."""
+    """The files a node marker lists ({path: {"size", "sha256"[, "s3_sha256", "md5"]}}), every entry checked."""
     try:
         files = marker.get("files") if isinstance(marker, dict) else None
         if not isinstance(files, dict):
@@ -151,6 +153,11 @@ def marker_files(marker: object, where: str) -> dict[str, dict[str, Any]]:
                 if not isinstance(composite, str) or len(composite) > 100:
                     raise UnsafeManifest(f"the s3_sha256 of {entry.path!r} is not a checksum")
                 out[entry.path]["s3_sha256"] = composite
+            md5 = rec.get("md5")
+            if md5 is not None:
+                if not isinstance(md5, str) or not MD5_RE.match(md5):
+                    raise UnsafeManifest(f"the md5 of {entry.path!r} is not 32 hex digits")
+                out[entry.path]["md5"] = md5
         return out
     except UnsafeManifest as exc:
         raise UnsafeManifest(f"{where}: {exc}") from None

@@ -1,4 +1,4 @@
-"""The S3 backend of trainer.objstore: boto3's transfer manager (threads, multipart),
+"""The S3 backend of trainer.objstore: boto3's client, our own multipart transfers (s3parts.py),
 botocore's standard retry mode, and errors that name the bucket/endpoint and the fix but
 never credentials. boto3 is imported inside the class only (the laptop CLI starts fast).
 """
@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from trainer.objstore import s3parts
 from trainer.objstore.backends import (
     DownloadItem,
     ObjectStat,
@@ -56,13 +57,14 @@ class S3Options:
     multipart_threshold: int = 64 << 20  # files above this go multipart
     multipart_chunksize: int = 32 << 20  # part size
     max_concurrency: int = 16  # parallel requests per transfer batch (parts and files)
+    max_buffer: int = 256 << 20  # bytes of parts held in memory at once (upload and download)
     max_attempts: int = 4  # botocore attempts per request (standard retry mode)
     connect_timeout: float = 5.0
     read_timeout: float = 60.0
 
 
 class S3Backend:
-    """An S3 bucket/prefix through boto3's transfer manager (threads, multipart, retries)."""
+    """An S3 bucket/prefix: boto3's client, s3parts' threads and parts, botocore's retries."""
 
     def __init__(
         self,
@@ -77,9 +79,11 @@ class S3Backend:
         self.endpoint_url, self.region, self.profile = endpoint_url, region, profile
         self.options = options
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
-        # boto3 ships no type information: the client and TransferConfig are Any.
-        self._client: Any = None
-        self._tconfig: Any = None
+        self._client: Any = None  # boto3 ships no type information
+        # Whether the store keeps the SHA256 checksums we send (None: no upload yet). One that
+        # does not (rclone serve s3) gets whole-file MD5s in the node marker: a listed ETag
+        # that equals one vouches for the bytes, where a read-back would cost a download.
+        self.keeps_checksums: bool | None = None
         self._client_lock = threading.Lock()
 
     # -- client (lazy: boto3 costs ~0.3 s to import) ---------------------------------
@@ -87,12 +91,11 @@ class S3Backend:
     def client(self) -> Any:
         with self._client_lock:
             if self._client is None:
-                self._client, self._tconfig = self._make_client()
+                self._client = self._make_client()
             return self._client
 
-    def _make_client(self) -> tuple[Any, Any]:
+    def _make_client(self) -> Any:
         import boto3
-        from boto3.s3.transfer import TransferConfig
         from botocore import exceptions as bx
         from botocore.config import Config
 
@@ -117,27 +120,16 @@ class S3Backend:
             s3={"addressing_style": "path"} if self.endpoint_url else {},
         )
         client = session.client("s3", endpoint_url=self.endpoint_url, config=cfg)
-        tconfig = TransferConfig(
-            multipart_threshold=o.multipart_threshold,
-            multipart_chunksize=o.multipart_chunksize,
-            max_concurrency=o.max_concurrency,
-            io_chunksize=1 << 20,
-            use_threads=True,
-            preferred_transfer_client="classic",
-        )
-        return client, tconfig
+        return client
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def _error(self, exc: BaseException, what: str) -> StorageError:
-        """Map a botocore/s3transfer exception to a StorageError with a fix, no secrets."""
+        """Map a botocore exception to a StorageError with a fix, no secrets."""
         from botocore import exceptions as bx
-        from s3transfer.exceptions import RetriesExceededError
 
         where = f"{self.url}" + (f" (endpoint {self.endpoint_url})" if self.endpoint_url else "")
-        if isinstance(exc, RetriesExceededError) and exc.last_exception is not None:
-            exc = exc.last_exception
         if isinstance(exc, bx.ClientError):
             err = exc.response.get("Error", {})
             code = str(err.get("Code", ""))
@@ -196,7 +188,8 @@ class S3Backend:
         try:
             for page in pages:
                 for obj in page.get("Contents", ()):
-                    out[obj["Key"][strip:]] = ObjectStat(int(obj["Size"]), obj["LastModified"].timestamp())
+                    etag = str(obj.get("ETag", "")).strip('"')
+                    out[obj["Key"][strip:]] = ObjectStat(int(obj["Size"]), obj["LastModified"].timestamp(), etag)
         except (bx.ClientError, bx.BotoCoreError) as exc:
             raise self._error(exc, f"listing {full or '/'}") from exc
         return out
@@ -233,7 +226,8 @@ class S3Backend:
         return sha
 
     def part_size(self, size: int) -> int | None:
-        """The part size boto3's transfer manager uses for a file of ``size`` bytes (None: one PUT)."""
+        """The part size for a file of ``size`` bytes (None: one PUT); within S3's limits
+        (5 MiB..5 GiB, at most 10,000 parts), as boto3's transfer manager sizes them."""
         if size < self.options.multipart_threshold:
             return None
         from s3transfer.utils import ChunksizeAdjuster
@@ -304,66 +298,36 @@ class S3Backend:
     def delete_prefix(self, prefix: str) -> None:
         self.delete(self.list(prefix.rstrip("/") + "/"))  # keys come back relative to the root
 
-    # -- bulk transfers ---------------------------------------------------------------
-    def _run_transfers(self, submit: Callable[[Any], builtins.list[Any]], what: str) -> None:
-        from boto3.s3.transfer import create_transfer_manager
+    # -- bulk transfers (s3parts.py: one buffer per request, hashed once) ---------------
+    def _transfer(self, what: str, fn: Callable[[], _T]) -> _T:
         from botocore import exceptions as bx
-        from s3transfer.exceptions import RetriesExceededError
 
-        client = self.client
-        with create_transfer_manager(client, self._tconfig) as tm:
-            futures = submit(tm)
-            first_exc: BaseException | None = None
-            for fut in futures:
-                try:
-                    fut.result()
-                except (bx.ClientError, bx.BotoCoreError, RetriesExceededError) as exc:
-                    if first_exc is None:
-                        first_exc = exc
-                        # Not tm.shutdown(cancel=True, ...): s3transfer 0.19 passes its
-                        # arguments to _shutdown in the wrong order. Cancel each future.
-                        for other in futures:
-                            other.cancel()
-                except Exception as exc:
-                    if first_exc is None:
-                        raise
-                    del exc
-        if first_exc is not None:
-            raise self._error(first_exc, what) from first_exc
+        try:
+            return fn()
+        except (bx.ClientError, bx.BotoCoreError) as exc:
+            raise self._error(exc, what) from exc
 
     def upload_files(self, items: builtins.list[UploadItem], progress: Progress) -> None:
+        """Upload; learns whether the store keeps SHA256 checksums (``keeps_checksums``)."""
         if not items:
             return
-        from boto3.s3.transfer import ProgressCallbackInvoker
+        client, o = self.client, self.options
+        kept = self._transfer(
+            f"uploading {len(items)} files",
+            lambda: s3parts.upload(
+                client, self.bucket, self._key, items, self.part_size, o.max_concurrency, o.max_buffer, progress
+            ),
+        )
+        self.keeps_checksums = kept if self.keeps_checksums is None else self.keeps_checksums and kept
 
-        sub = [ProgressCallbackInvoker(progress.add)]
-
-        def submit(tm: Any) -> builtins.list[Any]:
-            return [
-                tm.upload(
-                    str(it.local),
-                    self.bucket,
-                    self._key(it.key),
-                    # S3 checks each request's body against its SHA256 and keeps the checksum,
-                    # which publish compares with the node's own digest (content_matches).
-                    extra_args={"Metadata": {"sha256": it.sha256}, "ChecksumAlgorithm": "SHA256"},
-                    subscribers=sub,
-                )
-                for it in items
-            ]
-
-        self._run_transfers(submit, f"uploading {len(items)} files")
-
-    def download_files(self, items: builtins.list[DownloadItem], progress: Progress) -> None:
+    def download_files(self, items: builtins.list[DownloadItem], progress: Progress) -> dict[str, str]:
+        """Download each item to its dest; each key's sha256 of the bytes written (hashed in flight)."""
         if not items:
-            return
-        from boto3.s3.transfer import ProgressCallbackInvoker
-
-        sub = [ProgressCallbackInvoker(progress.add)]
-
-        def submit(tm: Any) -> builtins.list[Any]:
-            for it in items:
-                it.dest.parent.mkdir(parents=True, exist_ok=True)
-            return [tm.download(self.bucket, self._key(it.key), str(it.dest), subscribers=sub) for it in items]
-
-        self._run_transfers(submit, f"downloading {len(items)} files")
+            return {}
+        client, o = self.client, self.options
+        return self._transfer(
+            f"downloading {len(items)} files",
+            lambda: s3parts.download(
+                client, self.bucket, self._key, items, self.part_size, o.max_concurrency, progress
+            ),
+        )

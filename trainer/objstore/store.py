@@ -7,12 +7,14 @@ store is first used.
 The layout of a store (tags, node markers, manifests, `latest`) is in layout.py.
 
 Upload is incremental: a local file whose object is listed with its size and whose bytes
-the store vouches for (S3's SHA256 checksum, else the object's sha256 metadata; file://: the
-stored file hashed) is skipped, so a no-op sync costs one GET (marker), one LIST and one HEAD
-per file. Local hashes are cached on (path, size, mtime_ns). Publish counts a checkpoint only
-once every stored file matches its node's sha256 (the store's checksum, or read back). Pruning
-(``keep`` K) removes older checkpoints only after a newer one is complete, manifest first.
-Download (fetch.py) verifies every file's size and sha256; on a missing or corrupt file it
+the store vouches for (its listed ETag equals the file's md5, recorded for files up to 1 MiB
+and, on a store that keeps no checksums, for all; else S3's SHA256 checksum, else the object's
+sha256 metadata; file://: the stored file hashed) is skipped, so a no-op sync costs one GET
+(marker), one LIST and one HEAD per large file. Local hashes are cached on (path, size,
+mtime_ns). Publish counts a checkpoint only once every stored file matches its node's digests
+(ETag, the store's checksum, or read back). Pruning
+(``keep`` K, retention.py) removes older checkpoints only after a newer one is complete,
+manifest first. Download (retention.py, fetch.py) verifies every file's size and sha256; on a missing or corrupt file it
 logs a line and falls back to the previous complete checkpoint. It writes ``dest/<tag>/...``
 and ``dest/latest`` (DeepSpeed's load_checkpoint layout). Manifests and markers read back are
 checked first (layout.py): a hostile one is refused before anything is written.
@@ -32,25 +34,25 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from trainer.objstore.atomic import atomic_write
 from trainer.objstore.backends import (
     FileBackend,
     ObjectStat,
     Progress,
     ProgressFn,
     StorageError,
-    StorageNotFound,
     UnsafeManifest,
     UploadItem,
     VerificationError,
     _hash_many,
+    md5_files,
     part_checksums,
+    small_md5s,
 )
-from trainer.objstore.fetch import fetch_tag
 from trainer.objstore.layout import (
     FORMAT,
     LATEST,
     MANIFEST,
+    MD5_RE,
     NODES_DIR,
     TAG_RE,
     CheckpointInfo,
@@ -62,6 +64,7 @@ from trainer.objstore.layout import (
     marker_files,
     step_from_tag,
 )
+from trainer.objstore.retention import download, prune
 from trainer.objstore.s3 import S3Backend, S3Options
 
 _log = logging.getLogger("gpuctl.objstore")
@@ -89,7 +92,7 @@ class CheckpointStore:
         """storage = {"url": "file:///abs" | "s3://bucket/prefix", "endpoint_url", "region",
         "profile", "keep": K}; optional "retry_deadline" (s, how long BackgroundUploader
         retries one checkpoint, default 3600) and S3 tuning keys named as S3Options' fields:
-        multipart_threshold, multipart_chunksize (bytes), max_concurrency, max_attempts
+        multipart_threshold, multipart_chunksize, max_buffer (bytes), max_concurrency, max_attempts
         (per request, botocore standard retry mode), connect_timeout, read_timeout (s).
         Credentials come from boto3's chain (env, profile, instance role), never from here."""
         url = storage.get("url") or ""
@@ -214,9 +217,16 @@ class CheckpointStore:
         sizes = {rel: p.stat().st_size for rel, p in local.items()}
         composites = part_checksums(self.backend.part_size, local, sizes)  # (fills _hash_many's cache)
         hashes = dict(zip(local, _hash_many(list(local.values())), strict=True))
+        md5s = small_md5s(local, sizes)
         marker_key = f"{tag}/{NODES_DIR}/{node_rank}.json"
         marker = self._read_json(marker_key) or {}
         recorded = marker.get("files", {})
+        for rel, rec in recorded.items() if isinstance(recorded, dict) else ():
+            # The whole-file md5 our marker holds for these very bytes (a store without checksums)
+            # still holds: the marker stays the same, and the listed ETag can vouch for the file.
+            if rel in local and rel not in md5s and isinstance(rec, dict) and rec.get("sha256") == hashes[rel]:
+                if isinstance(rec.get("md5"), str) and MD5_RE.match(rec["md5"]):
+                    md5s[rel] = rec["md5"]
         remote = self.backend.list(f"{tag}/")
 
         # Skip a file only when the store vouches for its bytes (its checksum; a store without one:
@@ -225,6 +235,8 @@ class CheckpointStore:
         listed = [rel for rel in local if (st := remote.get(f"{tag}/{rel}")) is not None and st.size == sizes[rel]]
 
         def vouched(rel: str) -> bool:
+            if rel in md5s and remote[f"{tag}/{rel}"].etag == md5s[rel]:
+                return True  # the listing's ETag is the MD5 of the stored bytes: no HEAD
             return self.backend.content_matches(
                 f"{tag}/{rel}", sizes[rel], hashes[rel], composites.get(rel), read_back=False
             )
@@ -240,6 +252,8 @@ class CheckpointStore:
         new_files: dict[str, dict[str, Any]] = {rel: {"size": sizes[rel], "sha256": hashes[rel]} for rel in local}
         for rel, composite in composites.items():
             new_files[rel]["s3_sha256"] = composite
+        for rel, md5 in md5s.items():
+            new_files[rel]["md5"] = md5
         if not todo and marker and recorded == new_files:
             return  # no-op sync
         if f"{tag}/{MANIFEST}" in remote:
@@ -249,6 +263,9 @@ class CheckpointStore:
         prog = Progress(progress, sum(i.size for i in todo))
         self.backend.upload_files(todo, prog)
         prog.finish()
+        if self.backend.keeps_checksums is False:  # publish then compares listed ETags, no read-back
+            for rel, md5 in md5_files({r: p for r, p in local.items() if r not in md5s}).items():
+                new_files[rel]["md5"] = md5
         self.backend.write_bytes(
             marker_key,
             dumps(
@@ -304,6 +321,7 @@ class CheckpointStore:
 
         files: dict[str, dict[str, Any]] = {}
         composites: dict[str, str | None] = {}
+        md5s: dict[str, str | None] = {}
         for rank in range(num_nodes):
             key = f"{tag}/{NODES_DIR}/{rank}.json"
             marker = self._read_json(key)
@@ -318,6 +336,7 @@ class CheckpointStore:
                     )
                 files.setdefault(rel, {"size": f["size"], "sha256": f["sha256"], "node": rank})
                 composites.setdefault(rel, f.get("s3_sha256"))
+                md5s.setdefault(rel, f.get("md5"))
         remote = self.backend.list(f"{tag}/")
         bad = sorted(
             rel for rel, f in files.items() if (st := remote.get(f"{tag}/{rel}")) is None or st.size != f["size"]
@@ -327,12 +346,19 @@ class CheckpointStore:
                 f"checkpoint {tag}: node markers list files that are missing or "
                 f"of the wrong size in {self.url}: {bad[:5]}"
             )
+
         # Size is not enough: the stored bytes must be the ones each node hashed (README's promise).
-        corrupt = sorted(
-            rel
-            for rel, f in files.items()
-            if not self.backend.content_matches(f"{tag}/{rel}", f["size"], f["sha256"], composites[rel])
-        )
+        # One HEAD per file not vouched for by its listed ETag (a read-back where the store keeps no
+        # checksum), in parallel.
+        def matches(rel: str) -> bool:
+            f = files[rel]
+            if md5s[rel] and remote[f"{tag}/{rel}"].etag == md5s[rel]:
+                return True  # the listing's ETag is the MD5 of the stored bytes: no HEAD
+            return self.backend.content_matches(f"{tag}/{rel}", f["size"], f["sha256"], composites[rel])
+
+        rels = sorted(files)
+        with ThreadPoolExecutor(max_workers=max(1, min(16, len(rels)))) as pool:
+            corrupt = [rel for rel, ok in zip(rels, pool.map(matches, rels), strict=True) if not ok]
         if corrupt:
             raise VerificationError(
                 f"checkpoint {tag}: stored files do not match the sha256 their node recorded "
@@ -360,65 +386,12 @@ class CheckpointStore:
         return True
 
     def _prune(self, infos: builtins.list[CheckpointInfo] | None = None) -> None:
-        """Keep the newest ``keep`` complete checkpoints; drop older complete ones and
-        incomplete ones older than the oldest kept. Manifest first, so a half-deleted
-        checkpoint is never taken for complete."""
-        if not self.keep:
-            return
-        infos = infos if infos is not None else self.list()
-        complete = [i for i in infos if i.complete]
-        if len(complete) <= self.keep:
-            return
-        kept = complete[: self.keep]
-        oldest_kept = kept[-1].step
-        raw = self.backend.read_bytes(LATEST)
-        latest_tag = raw.decode("utf-8", "replace").strip() if raw else ""
-        for info in self.list():
-            if info.tag in {k.tag for k in kept} or info.tag == latest_tag:
-                continue
-            if info.complete or (0 <= info.step < oldest_kept):
-                self.backend.delete([f"{info.tag}/{MANIFEST}"])
-                self.backend.delete_prefix(info.tag)
-                _log.info("pruned checkpoint %s from %s", info.tag, self.url)
+        """Keep the newest ``keep`` complete checkpoints (retention.prune)."""
+        prune(self, infos)
 
     # -- downloading -------------------------------------------------------------------
     def download(self, tag: str | None, dest: Path, progress: ProgressFn | None = None) -> CheckpointInfo:
         """Download ``tag`` (None: the latest complete) into ``dest/<tag>`` and write
-        ``dest/latest``. Falls back to older complete checkpoints if it fails verification."""
-        dest = Path(dest)
-        if tag is not None:
-            check_tag(tag)
-        complete = [i for i in self.list() if i.complete]
-        if tag is None:
-            first = self.latest()
-            if first is None:
-                raise StorageNotFound(f"no complete checkpoint in {self.url}")
-        else:
-            first = next((i for i in complete if i.tag == check_tag(tag)), None)
-            if first is None:
-                older = [i for i in complete if i.step < step_from_tag(tag)]
-                if not older:
-                    raise StorageNotFound(
-                        f"checkpoint {tag} is not complete in {self.url} and there is no older complete one"
-                    )
-                self.log(f"checkpoint {tag} is not complete in {self.url}; falling back to {older[0].tag}")
-                first = older[0]
-        candidates = [first] + [i for i in complete if i.step < first.step]
-        for n, info in enumerate(candidates):
-            try:
-                fetch_tag(self.backend, info, dest, progress)
-            except (VerificationError, StorageNotFound) as exc:
-                nxt = candidates[n + 1].tag if n + 1 < len(candidates) else None
-                if nxt is None:
-                    raise VerificationError(
-                        f"checkpoint {info.tag} failed verification ({exc}) "
-                        f"and no older complete checkpoint is left in {self.url}"
-                    ) from exc
-                self.log(
-                    f"checkpoint {info.tag} failed verification ({exc}); "
-                    f"falling back to previous complete checkpoint {nxt}"
-                )
-                continue
-            atomic_write(dest / LATEST, info.tag)
-            return info
-        raise AssertionError("unreachable")  # the loop returns or raises
+        ``dest/latest``. Falls back to older complete checkpoints if it fails verification
+        (retention.download)."""
+        return download(self, tag, dest, progress)
