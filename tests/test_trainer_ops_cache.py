@@ -52,3 +52,13 @@ def test_launch_keeps_one_op_cache_per_python_environment(tmp_path):
     assert found["this"].startswith(base) and found["other"].startswith(base)
     assert found["this"] != found["other"]
     assert ops_dir(bundle / "launch.sh", tmp_path) == found["other"]  # the same environment: the same folder
+
+
+def test_the_doctor_builds_into_the_folder_the_run_loads_from(tmp_path, monkeypatch):
+    bundle = tmp_path / "bundle"
+    spec = BundleSpec(run_id="r", run_dir=str(bundle), nodes=[BundleNode("localhost", 1)], python=sys.executable)
+    render_bundle(GpuctlConfig.model_validate({}), spec, bundle)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    env: dict[str, str] = {}
+    assert hostenv.ops_cache_default(env) == ops_dir(bundle / "launch.sh", tmp_path)
+    assert hostenv.ops_cache_default({"TORCH_EXTENSIONS_DIR": "/set"}) == "/set"  # a set folder wins

@@ -179,6 +179,10 @@ def _load_cpu_adam() -> dict[str, Any]:
     """Build (first time, into TORCH_EXTENSIONS_DIR) and load DeepSpeed's CPU Adam op, as a run would."""
     from deepspeed.accelerator import get_accelerator
 
+    from trainer.hostenv import env_tools_first, ops_cache_default
+
+    env_tools_first()  # the ninja and the cache folder a run's ranks use: one build serves both
+    ops_cache_default()
     start = time.monotonic()
     try:
         get_accelerator().create_op_builder("CPUAdamBuilder").load(verbose=False)

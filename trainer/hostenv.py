@@ -116,3 +116,16 @@ def env_tools_first(environ: dict[str, str] | None = None, executable: str = sys
         return False
     env["PATH"] = os.pathsep.join([bin_dir, *(p for p in path if p and p != bin_dir)])
     return True
+
+
+def ops_cache_default(environ: dict[str, str] | None = None, prefix: str = sys.prefix) -> str:
+    """Set TORCH_EXTENSIONS_DIR, when unset, to the folder templates/launch.sh.j2 gives a run of this
+    Python environment (one per environment, see env_tools_first), so that an op built here (the
+    doctor's CPU Adam check) is the one the run loads. Returns the folder."""
+    env = os.environ if environ is None else environ
+    if not env.get("TORCH_EXTENSIONS_DIR"):
+        import hashlib
+
+        key = hashlib.sha256(prefix.encode()).hexdigest()[:12]
+        env["TORCH_EXTENSIONS_DIR"] = os.path.expanduser(f"~/.cache/gpuctl/torch_extensions/{key}")
+    return env["TORCH_EXTENSIONS_DIR"]
