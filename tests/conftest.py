@@ -9,16 +9,21 @@ The fixture modules are registered here once: a test asks for ``sshd``, ``fresh_
 from __future__ import annotations
 
 import os
+import re
+import signal
+import warnings
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, Gpuctl
+from tests.helpers import Gpuctl
+from trainer.hostenv import ops_cache_default
 
 pytest_plugins = ["tests.sshd", "tests.bastion", "tests.s3server", "tests.dockerd", "tests.trainer_image"]
 
-# DeepSpeed JIT-compiles its CPU ops once; share the cache across tests and runs.
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+# DeepSpeed JIT-compiles its CPU ops once; share the cache across tests and runs, in the folder
+# a run of this Python environment uses (templates/launch.sh.j2), as tests/run.sh sets it.
+ops_cache_default()
 
 
 @pytest.fixture(autouse=True)
@@ -29,10 +34,42 @@ def state_dir(tmp_path_factory, monkeypatch) -> Path:
 
 
 @pytest.fixture
-def project(tmp_path, monkeypatch) -> Path:
-    """An empty project folder as the cwd."""
+def project(tmp_path, monkeypatch):
+    """An empty project folder as the cwd. What a test leaves running in it (a node's budget guard
+    on a fake instance the vendor "terminated", a rank) is killed at the end, and named in a warning."""
     monkeypatch.chdir(tmp_path)
-    return tmp_path
+    yield tmp_path
+    if left := kill_left_running(tmp_path):
+        warnings.warn(f"left running by the test, killed: {'; '.join(left)}", stacklevel=1)
+
+
+def kill_left_running(folder: Path) -> list[str]:
+    """SIGKILL every process whose working dir is inside `folder` or whose command line names it, but
+    this one and what descends from it: a shared server that a fixture started while the cwd was
+    `folder` (moto, sshd, dockerd and its containerd) is the fixture's to stop. Names what it killed."""
+    inside, seen = str(folder), {}
+    named = re.compile(re.escape(inside) + r"(/|\s|$)")  # test_x1 is not test_x10
+    for entry in Path("/proc").iterdir():
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) if entry.name.isdigit() else 0
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            seen[int(entry.name)] = (parent, os.readlink(entry / "cwd"), cmdline)
+        except (OSError, ValueError, IndexError):  # gone, a zombie, not ours to read, not a process
+            continue
+    killed = []
+    for pid, (_parent, cwd, cmdline) in seen.items():
+        ancestor = pid
+        while ancestor in seen and ancestor != os.getpid():
+            ancestor = seen[ancestor][0]
+        if ancestor == os.getpid():
+            continue
+        if named.search(cmdline) or cwd == inside or cwd.startswith(inside + "/"):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(f"{pid} {cmdline[:80]}")
+            except ProcessLookupError:
+                pass
+    return killed
 
 
 @pytest.fixture

@@ -4,8 +4,6 @@ or doctor-measured bandwidth, a warning when saves outrun uploads, and the node 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from typer.testing import CliRunner
 
@@ -15,6 +13,7 @@ from provision.core.checks import CheckRow, DoctorResult
 from provision.estimate.checkpoint_cost import checkpoint_cost, save_bytes
 from provision.estimate.hardware import KNOWN_MODELS
 from provision.estimate.plan import PlanInput, plan
+from tests.test_cli_plan import plan_json
 
 runner = CliRunner()
 SEED_7B = """
@@ -22,12 +21,6 @@ provider: {kind: vast, gpu: RTX 4090, gpus_per_node: 3}
 train: {model: deepseek-ai/deepseek-llm-7b-base, precision: fp16, zero_stage: 2, offload_optimizer: cpu,
         checkpoint_every: 50, keep_local: 2}
 """
-
-
-def plan_json(*args: str) -> dict:
-    result = runner.invoke(app, ["plan", "--json", *args])
-    assert result.exit_code == 0, result.output
-    return json.loads(result.stdout)
 
 
 def test_a_7b_zero2_save_is_weights_plus_adam_states_and_three_saves_of_disk(project):

@@ -10,7 +10,6 @@ one file system too, so the run dir is one folder for both.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -26,6 +25,7 @@ from provision.flows import recover, replace_node
 from provision.providers import vast
 from provision.providers.base import UpOptions
 from tests.fakes.harness import node_fields, saved_run, serve_vast, wait_until, write_config
+from tests.fakes.preempt import steps
 from tests.fakes.vast_api import offer
 from tests.helpers import GPUCTL
 from tests.sshd import children_of
@@ -88,15 +88,6 @@ def test_no_replacement_offer_gives_the_whole_cluster_path(project, fake, tmp_pa
     assert not fake.instances and state.find_cluster("vast-two") is None
 
 
-def _steps(path: Path) -> dict[int, float]:
-    losses = {}
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        if line.endswith("}"):
-            row = json.loads(line)
-            losses[row["step"]] = row["loss"]
-    return losses
-
-
 def _run_processes(run_dir: Path) -> list[int]:
     """Every process of the run, both nodes (their cwd is the run dir: gpuctl's rule too)."""
     found = []
@@ -124,7 +115,7 @@ def _freeze_past_a_checkpoint(run_dir: Path, store: Path) -> tuple[dict[int, flo
         pids = _run_processes(run_dir)
         _signal(pids, signal.SIGSTOP)
         latest = (store / "latest").read_text().strip() if (store / "latest").is_file() else ""
-        before = _steps(run_dir / "metrics.jsonl")
+        before = steps(run_dir / "metrics.jsonl")
         if latest and max(before, default=0) > int(latest.removeprefix("step")):
             return before, int(latest.removeprefix("step"))
         _signal(pids, signal.SIGCONT)
@@ -155,7 +146,7 @@ def test_e2e_a_lost_second_node_is_replaced_and_the_run_resumes(project, gpuctl,
     try:
         wait_until(lambda: runs.is_dir() and any(runs.iterdir()), 120, "the run to start")
         run_dir = next(runs.iterdir())
-        wait_until(lambda: max(_steps(run_dir / "metrics.jsonl"), default=0) >= 3, 600, "step 3", every=0.2)
+        wait_until(lambda: max(steps(run_dir / "metrics.jsonl"), default=0) >= 3, 600, "step 3", every=0.2)
         before, stored = _freeze_past_a_checkpoint(run_dir, project / "gpuctl-storage")
         fake.preempt(7000002)  # the vendor says exited; what ran there ends with the machine
         _signal(_node1_processes(), signal.SIGKILL)
@@ -180,7 +171,7 @@ def test_e2e_a_lost_second_node_is_replaced_and_the_run_resumes(project, gpuctl,
     assert event.resumed_from == "latest" and event.step == stored
     log = (run_dir / "job.log").read_text()
     assert "node1: " in log and "dist_world_size=2" in log  # the resumed run is 2 nodes again (pdsh)
-    after = _steps(run_dir / "metrics.jsonl")
+    after = steps(run_dir / "metrics.jsonl")
     assert sorted(after) == list(range(1, 9))  # metrics.jsonl continues, each step once
     overlap = [s for s in before if s > event.step]
     assert overlap, (event.step, before)

@@ -202,11 +202,14 @@ def test_locate_and_world_size_check(tmp_path):
 
 
 class _Uploader:
-    def __init__(self, done: set[str]):
-        self.done = done
+    def __init__(self, done: set[str], superseded: tuple[str, ...] = ()):
+        self.done, self.superseded = done, superseded
 
     def uploaded_tags(self) -> set[str]:
         return self.done
+
+    def superseded_tags(self) -> list[str]:
+        return list(self.superseded)
 
 
 def test_local_retention_keeps_newest_and_unuploaded(tmp_path):
@@ -227,7 +230,14 @@ def test_local_retention_keeps_newest_and_unuploaded(tmp_path):
     ckpt.uploader = _Uploader({"step5", "step10", "step20"})  # step15's upload failed, step20 is up
     ckpt.prune()
     assert left() == ["step20", "step25"]
+    _fake_tag(ckpt.dir, "step27", world=1)
+    ckpt.prune()
+    assert left() == ["step25", "step27"]  # step25's upload still runs: step20 goes (in the store)
+    _fake_tag(ckpt.dir, "step28", world=1)
+    ckpt.uploader = _Uploader({"step20"}, superseded=("step25",))  # step25 never goes up: a newer save did
+    ckpt.prune()
+    assert left() == ["step27", "step28"]
     ckpt.uploader = None  # no object storage: plain retention
     _fake_tag(ckpt.dir, "step30", world=1)
     ckpt.prune()
-    assert left() == ["step25", "step30"]
+    assert left() == ["step28", "step30"]
