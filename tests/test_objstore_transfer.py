@@ -185,3 +185,25 @@ def test_a_store_without_checksums_is_vouched_for_by_etags_not_read_back(s3_env,
         fresh = CheckpointStore.from_config(cfg)
         fresh.upload_shards(src2, "step5", 0)
         assert fresh.latest() is not None and fresh.latest().tag == "step5"
+
+
+@pytest.mark.parametrize("size", [1000, 13 * MiB])  # one GET; several ranged GETs
+def test_an_object_longer_than_its_manifest_says_never_writes_past_that_size(make_store, tmp_path, small_ranges, size):
+    store = make_store()
+    src = save_dir(tmp_path / "step2", {"model.pt": size})
+    store.upload_shards(src, "step2", 0)
+    assert store.publish("step2", 2, 1, 1, timeout=10)
+    # a hostile or broken store serves far more bytes under the key than the manifest names
+    client, key = store.backend.client, f"{store.backend.prefix}/step2/model.pt"
+    client.put_object(Bucket=store.backend.bucket, Key=key, Body=os.urandom(size + 6 * MiB))
+    dest = tmp_path / "dl" / "model.pt"
+    dest.parent.mkdir()
+    item = DownloadItem("step2/model.pt", dest, size)
+    if size < TUNING["multipart_threshold"]:  # a whole GET: the body is cut off at the manifest's size
+        with pytest.raises(OSError, match="longer than its manifest says"):
+            store.backend.download_files([item], Progress(None, size))
+    else:  # ranges name only the manifest's bytes; the verification then refuses the changed ones
+        store.backend.download_files([item], Progress(None, size))
+        with pytest.raises(VerificationError):
+            store.download("step2", tmp_path / "dl2")
+    assert dest.stat().st_size <= size

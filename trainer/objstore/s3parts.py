@@ -322,6 +322,8 @@ def _get_range(
             resp = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start + got}-{start + length - 1}")
         try:
             for chunk in resp["Body"].iter_chunks(STREAM_CHUNK):
+                if got + len(chunk) > length:  # a store is untrusted: never write past the manifest's size
+                    raise OSError(f"{key} is longer than its manifest says ({length} bytes from {start}): refused")
                 os.pwrite(fd, chunk, start + got)
                 got += len(chunk)
                 progress.add(len(chunk))
@@ -330,6 +332,6 @@ def _get_range(
             if whole or attempt >= STREAM_ATTEMPTS:
                 raise
             attempt += 1  # go on from the last byte written
-    if not whole and got != length:
+    if got != length:
         raise OSError(f"short read of {key} bytes {start}-{start + length - 1}: got {got}")
     hasher.written(index)
