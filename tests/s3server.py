@@ -91,6 +91,9 @@ class TcpProxy:
                 pass
             c.close()
 
+    def before_send(self, nbytes: int) -> None:
+        """Called before each chunk is passed on (a subclass may hold it back: tests/slowlink.py)."""
+
     def _accept_loop(self, sock: socket.socket) -> None:
         while self._sock is sock:
             try:
@@ -114,6 +117,7 @@ class TcpProxy:
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while data := src.recv(1 << 16):
+                self.before_send(len(data))
                 dst.sendall(data)
         except OSError:
             pass

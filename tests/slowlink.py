@@ -26,23 +26,12 @@ class SlowLink(TcpProxy):
         self._link_lock = threading.Lock()
         self._free_at = time.monotonic()  # when the link has sent everything queued so far
 
-    def _pump(self, src, dst) -> None:
-        try:
-            while data := src.recv(1 << 14):
-                with self._link_lock:
-                    self._free_at = max(self._free_at, time.monotonic()) + len(data) / self.bytes_per_s
-                    wait = self._free_at - time.monotonic()
-                if wait > 0:
-                    time.sleep(wait)
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.close()
-                except OSError:
-                    pass
+    def before_send(self, nbytes: int) -> None:
+        with self._link_lock:
+            self._free_at = max(self._free_at, time.monotonic()) + nbytes / self.bytes_per_s
+            wait = self._free_at - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
 
 
 @contextmanager
