@@ -27,7 +27,7 @@ from provision.providers.base import UpOptions
 from tests.fakes.harness import node_fields, saved_run, serve_vast, wait_until, write_config
 from tests.fakes.preempt import steps
 from tests.fakes.vast_api import offer
-from tests.helpers import GPUCTL
+from tests.helpers import GPUCTL, free_port
 from tests.sshd import children_of
 
 pytestmark = pytest.mark.timeout(240)
@@ -180,3 +180,18 @@ def test_e2e_a_lost_second_node_is_replaced_and_the_run_resumes(project, gpuctl,
     shown = gpuctl("status")
     assert "restart 1," in shown.stdout and "7000002 -> 7000003" in shown.stdout, shown.stdout
     assert gpuctl("down", "--yes").returncode == 0 and not fake.instances
+
+
+def test_a_survivor_that_does_not_answer_gives_the_whole_cluster_path(project, fake, tmp_path):
+    two_nodes(project, fake, tmp_path, {"max_restarts": 1})
+    cfg = load_config(project / "gpuctl.yaml")
+    from provision.flows import cluster
+
+    record = cluster.up(cfg, UpOptions(assume_yes=True, say=lambda _: None))
+    run = saved_run(record.name, "20261203-000000-ef58")
+    fake.preempt(7000002)
+    record.nodes[0].port = free_port()  # node 0 stays listed by the vendor but nothing answers there
+    said: list[str] = []
+    assert replace_node.replace_lost_nodes(cfg, run, record, [1], {"51003"}, said.append) is None
+    assert "does not answer" in said[-1] and said[-1].endswith("replacing the whole cluster")
+    assert sorted(fake.instances) == [7000001, 7000002] and len(fake.created_bodies) == 2  # nothing new rented

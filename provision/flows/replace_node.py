@@ -56,7 +56,11 @@ def replace_lost_nodes(
 
     provider = _cloud(cluster)
     prov = sized_provider(cfg)
-    _stop_survivors(provider, run, cluster, lost, say)
+    try:
+        _stop_survivors(provider, run, cluster, lost, say)
+    except GpuctlError as exc:  # a survivor that does not answer either: the whole cluster goes
+        say(f"{exc.message}: replacing the whole cluster")
+        return None
     gone = [cluster.nodes[i].instance_id or "" for i in lost]
     for instance_id in gone:
         provider.terminate(cluster, instance_id)
@@ -135,7 +139,7 @@ def _stop_survivors(
                 node.signal_group(run.pgid, "KILL")  # the launcher; its pdsh sessions end with it
             remove_container(run, node)
             node.sh(KILL_BY_CWD, job.run_dir_of(rec.workdir, run.run_id), timeout=120)
-        except RemoteError as exc:  # a survivor that does not answer either: the whole cluster goes
+        except RemoteError as exc:
             raise GpuctlError(f"node {rec.host} of the cluster does not answer: {exc.message}") from exc
         finally:
             node.close()
