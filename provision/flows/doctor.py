@@ -75,7 +75,7 @@ def _request(cfg: GpuctlConfig, node: state.NodeRecord, needs: Needs, quick: boo
     }
 
 
-def _argv(
+def node_argv(
     cfg: GpuctlConfig, cluster: state.ClusterRecord, node: state.NodeRecord, folder: str, module: str = "trainer.doctor"
 ) -> list[str]:
     """python -m MODULE with the shipped package first on the path; in the image under runtime docker."""
@@ -113,7 +113,7 @@ def clock_offset(node: Node) -> tuple[float, float] | None:
         return None
 
 
-def _facts(node: Node, argv: list[str], request: dict[str, Any], timeout: float) -> dict[str, Any]:
+def remote_facts(node: Node, argv: list[str], request: dict[str, Any], timeout: float) -> dict[str, Any]:
     result = node.run(argv, check=False, timeout=timeout, stdin=json.dumps(request).encode())
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if result.rc != 0 or not lines:
@@ -151,7 +151,9 @@ def check_node(
     try:
         node.put_dir(staging, folder)
         offset = clock_offset(node)
-        facts = _facts(node, _argv(cfg, cluster, rec, folder), request, QUICK_TIMEOUT_S if quick else FULL_TIMEOUT_S)
+        facts = remote_facts(
+            node, node_argv(cfg, cluster, rec, folder), request, QUICK_TIMEOUT_S if quick else FULL_TIMEOUT_S
+        )
     except RemoteError as exc:
         fix = (
             "check provider.python on the node: `gpuctl ssh` and run `PYTHON -m trainer.doctor` in <workdir>/doctor/lib"

@@ -19,7 +19,7 @@ from provision.core.checks import CheckRow
 from provision.core.config import GpuctlConfig
 from provision.core.errors import RemoteError
 from provision.estimate.doctor_net import internode_row
-from provision.flows.doctor import ALLREDUCE_MB, _argv, _facts, needs_of
+from provision.flows.doctor import ALLREDUCE_MB, needs_of, node_argv, remote_facts
 from provision.transport.remote import Node
 
 TIMEOUT_S = 600  # torch import and process start on every node, then the rendezvous (120 s at most)
@@ -50,9 +50,9 @@ def _requests(cfg: GpuctlConfig, cluster: state.ClusterRecord) -> list[dict[str,
 
 def _one(cfg: GpuctlConfig, cluster: state.ClusterRecord, i: int, node: Node, request: dict[str, Any]) -> Any:
     rec = cluster.nodes[i]
-    argv = _argv(cfg, cluster, rec, f"{rec.workdir.rstrip('/')}/doctor", module="trainer.doctor_allreduce")
+    argv = node_argv(cfg, cluster, rec, f"{rec.workdir.rstrip('/')}/doctor", module="trainer.doctor_allreduce")
     try:
-        return _facts(node, argv, request, TIMEOUT_S)
+        return remote_facts(node, argv, request, TIMEOUT_S)
     except RemoteError as exc:
         return exc.message[:300]
 
