@@ -74,8 +74,11 @@ def plan(
     )
     base.update({k: v for k, v in flags.items() if v is not None})
     result = run_plan(PlanInput(**base))
-    every = checkpoint_every if checkpoint_every is not None else (cfg.train.checkpoint_every if cfg else 10)
-    cost = _save_cost(result, cfg, every, upload_mbps, strategy)
+    if checkpoint_every is None:  # gpuctl.yaml's, else train's default
+        from provision.core.config import TrainConfig
+
+        checkpoint_every = (cfg.train if cfg else TrainConfig()).checkpoint_every
+    cost = _save_cost(result, cfg, checkpoint_every, upload_mbps, strategy)
     if strategy == "fsdp":
         _plan_fsdp(result, as_json, cost)
         return
