@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from trainer.objstore.atomic import atomic_write
 
@@ -127,6 +128,16 @@ _parts_cache: dict[tuple[str, int, int, int], list[bytes]] = {}  # each part's s
 _hash_lock = threading.Lock()
 
 
+def hash_file(path: Path, h: Any) -> str:
+    """Feed the file through hashlib object `h` in 1 MiB reads; its hex digest."""
+    buf = bytearray(1 << 20)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])  # hashlib releases the GIL on large buffers
+    return str(h.hexdigest())
+
+
 def sha256_file(path: Path) -> str:
     """sha256 of a file, cached on (absolute path, size, mtime_ns)."""
     st = path.stat()
@@ -135,13 +146,7 @@ def sha256_file(path: Path) -> str:
         hit = _hash_cache.get(key)
     if hit is not None:
         return hit
-    h = hashlib.sha256()
-    buf = bytearray(1 << 20)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])  # hashlib releases the GIL on large buffers
-    digest = h.hexdigest()
+    digest = hash_file(path, hashlib.sha256())
     with _hash_lock:
         _hash_cache[key] = digest
     return digest
@@ -229,13 +234,7 @@ def md5_files(paths: dict[str, Path]) -> dict[str, str]:
     """The whole-file md5 of each path, in parallel (hashlib releases the GIL)."""
 
     def md5(path: Path) -> str:
-        h = hashlib.md5(usedforsecurity=False)
-        buf = bytearray(1 << 20)
-        view = memoryview(buf)
-        with open(path, "rb", buffering=0) as f:
-            while n := f.readinto(buf):
-                h.update(view[:n])
-        return h.hexdigest()
+        return hash_file(path, hashlib.md5(usedforsecurity=False))
 
     if not paths:
         return {}
