@@ -23,8 +23,8 @@ if ! "$PY" -c "import torch" 2>/dev/null; then "$PY" -m pip install -q torch==2.
 
 # DeepSpeed JIT-compiles its CPU ops on first use; keep them between runs, one folder per venv
 # (as launch.sh does): two venvs sharing one folder rebuild each other's ops, 1-4 min each time.
-OPS_KEY=$("$PY" -c 'import hashlib, sys; print(hashlib.sha256(sys.prefix.encode()).hexdigest()[:12])')
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/gpuctl/torch_extensions/$OPS_KEY}"
+TORCH_EXTENSIONS_DIR="$("$PY" -c 'from trainer.hostenv import ops_cache_default; print(ops_cache_default())')"
+export TORCH_EXTENSIONS_DIR
 # A build killed half way leaves its `lock` file, and every later load waits on it for ever.
 find "$TORCH_EXTENSIONS_DIR" -name lock -mmin +30 -delete 2>/dev/null || true
 # Build them once, in one process, before any test starts ranks (3 ranks compiling at once

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from provision.core.config import GpuctlConfig
 from provision.flows.render import BundleNode, BundleSpec, render_bundle
+from tests.helpers import REPO
 from trainer import hostenv
 
 
@@ -33,8 +34,10 @@ def test_without_a_ninja_of_its_own_path_is_left_alone(tmp_path):
 
 def ops_dir(launch_sh: Path, home: Path) -> str:
     """The TORCH_EXTENSIONS_DIR the rendered launch.sh exports (its own two lines, run by bash)."""
-    lines = [line for line in launch_sh.read_text().splitlines() if line.startswith(("OPS_KEY=", "export TORCH_EXT"))]
+    lines = [line for line in launch_sh.read_text().splitlines() if line.startswith("export TORCH_EXT")]
+    assert len(lines) == 1, lines
     env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"} | {"HOME": str(home)}
+    env["PYTHONPATH"] = str(REPO)  # launch.sh has the shipped package on it (lib/)
     script = "\n".join([*lines, 'echo "$TORCH_EXTENSIONS_DIR"'])
     return subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, check=True).stdout.strip()
 
