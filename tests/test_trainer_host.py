@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -148,6 +149,26 @@ def test_no_store_no_room_is_no_room():
 def test_failed_upload_superseded_and_resume_source_are_safe():
     safe = diskroom.safe_to_delete(tags(1, 2, 3), {"step3"}, {"step1"})
     assert [t.name for t in safe] == ["step1", "step2", "step3"]  # step2: older than an uploaded tag
+
+
+def test_tag_bytes_survives_the_uploader_deleting_the_tag_mid_walk(tmp_path, monkeypatch):
+    """The uploader's thread deletes a superseded tag while the ranks measure (a CI run died on it):
+    what vanished counts 0, no FileNotFoundError reaches the rank."""
+    tag = tmp_path / "step2"
+    (tag / "global_step2").mkdir(parents=True)
+    (tag / "state.json").write_bytes(b"x" * 10)
+    (tag / "global_step2" / "optim.pt").write_bytes(b"x" * 100)
+    assert diskroom.tag_bytes(tag) == 110
+    real_walk = os.walk
+
+    def walk_while_deleted(path):
+        for entry in real_walk(path):
+            shutil.rmtree(tag, ignore_errors=True)  # gone between the listing and the stat
+            yield entry
+
+    monkeypatch.setattr(diskroom.os, "walk", walk_while_deleted)
+    assert diskroom.tag_bytes(tag) == 0
+    assert diskroom.tag_bytes(tmp_path / "never-there") == 0
 
 
 def test_expected_save_bytes_agrees_with_plan():

@@ -85,6 +85,7 @@ class Checkpointer:
         self.dir = cfg.run_dir / CKPT_DIR
         self.uploader = None
         self.last_tag: str | None = None
+        self.last_bytes: int | None = None  # this node's last save, measured by local rank 0 as it finished
         self.from_store: set[str] = set()  # the tag fetched for resume: the store has it
         if cfg.resume and not cfg.resume.startswith("/") and (self.dir / "latest").is_file():
             self.from_store.add((self.dir / "latest").read_text().strip())
@@ -126,7 +127,8 @@ class Checkpointer:
             self.uploader.submit(self.dir / tag, tag, pos.step, self.env.world_size)
         if self.env.is_local_main:
             self.log(f"checkpoint {tag} saved" + (", uploading" if self.uploader else ""))
-            events.checkpoint(tag, "uploading" if self.uploader else "saved", tag_bytes(self.dir / tag))
+            self.last_bytes = tag_bytes(self.dir / tag)
+            events.checkpoint(tag, "uploading" if self.uploader else "saved", self.last_bytes)
             self.prune()
         self.last_tag = tag
         return tag
@@ -188,9 +190,10 @@ class Checkpointer:
         return verdict
 
     def expected_bytes(self) -> int:
-        """This node's share of one save: the last save's size when there is one, else the formula."""
-        if self.last_tag and (self.dir / self.last_tag).is_dir():
-            return tag_bytes(self.dir / self.last_tag)
+        """This node's share of one save: the last save's size when local rank 0 measured one, else the formula.
+        (Measured once as the save finished: by the next save, the uploader may have deleted that tag.)"""
+        if self.last_bytes:
+            return self.last_bytes
         env = self.env
         return expected_save_bytes(self.params, self.precision, env.world_size, env.local_world_size, env.node_rank)
 

@@ -13,6 +13,7 @@ of every node decides (and all ranks then agree, since saving is collective):
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass
 from enum import IntEnum
@@ -78,7 +79,16 @@ def plan_room(
 
 
 def tag_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    """Bytes under a tag folder; 0 for what is gone. The uploader's thread deletes a superseded tag while
+    the ranks measure, so a folder or file may vanish mid-walk: what vanished holds nothing."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except FileNotFoundError:
+                pass
+    return total
 
 
 def free_bytes(path: Path) -> int:
