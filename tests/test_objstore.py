@@ -196,6 +196,31 @@ def test_publish_times_out_without_all_nodes(make_store, tmp_path):
     assert store.latest() is None and not raw.exists("step10/manifest.json")
 
 
+def test_publish_counts_only_the_markers_of_its_own_attempt(make_store, tmp_path):
+    """A recovered run saves again a tag its lost attempt half uploaded: node 1's marker from that attempt
+    must not be published beside node 0's new files (a full run failed on it: "different contents")."""
+    lines = Lines()
+    lost, raw = make_store(log=lines)
+    lost.attempt = "a"
+    n0, n1 = node_dirs(tmp_path, "step4")
+    (n1 / "metrics.jsonl").write_text("steps of attempt a\n")
+    lost.upload_shards(n1, "step4", 1, step=4)  # node 1 got its marker in; node 0 never did
+    store = CheckpointStore.from_config(raw.cfg, log=lines)
+    store.attempt = "b"
+    (n0 / "metrics.jsonl").write_text("steps of attempt b\n")
+    store.upload_shards(n0, "step4", 0, step=4)
+    assert store.publish("step4", 4, 4, 2, timeout=0.6) is False  # waits for node 1 of attempt b
+    assert "node(s) [1]" in lines.text() and not raw.exists("step4/manifest.json")
+    (n1 / "metrics.jsonl").write_text("steps of attempt b\n")
+    store.upload_shards(n1, "step4", 1, step=4)
+    assert store.publish("step4", 4, 4, 2, timeout=5) and store.latest().tag == "step4"
+    again = CheckpointStore.from_config(raw.cfg, log=lines)
+    again.attempt = "c"  # the same bytes from a later attempt: the markers are written anew, not kept
+    again.upload_shards(n0, "step4", 0, step=4)
+    again.upload_shards(n1, "step4", 1, step=4)
+    assert again.publish("step4", 4, 4, 2, timeout=5)
+
+
 def test_latest_only_moves_forward_and_list_is_newest_first(make_store, tmp_path):
     store, raw = make_store(keep=None)
     publish_two_nodes(store, tmp_path, "step20", 20)

@@ -96,6 +96,8 @@ class Checkpointer:
             skip = (lambda tag: events.checkpoint(tag, "superseded")) if env.is_main else None
             self.uploader = BackgroundUploader(store, env.node_rank, cfg.num_nodes, on_done=done, on_skip=skip)
         self.has_store = store is not None  # the same on every rank: whether save() coalesces uploads
+        if store is not None:  # this start's markers only: an earlier attempt's may still be in the store
+            store.attempt = f"{_attempt_everywhere():016x}"
 
     def save(self, pos: Position, train_batch_size: int, final: bool = False) -> str | None:
         """Save tag step<N> on every rank (collective); None when the disk had no room (skipped)."""
@@ -359,6 +361,19 @@ def _max_everywhere(value: int) -> int:
 
     device = "cpu" if dist.get_backend() == "gloo" else get_accelerator().current_device_name()
     t = torch.tensor([float(value)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def _attempt_everywhere() -> int:
+    """One random 62-bit id for this start of the run, the same on every rank (rank 0 draws it)."""
+    import secrets
+
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    device = "cpu" if dist.get_backend() == "gloo" else get_accelerator().current_device_name()
+    t = torch.tensor([secrets.randbits(62) if dist.get_rank() == 0 else 0], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 

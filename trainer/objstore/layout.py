@@ -7,6 +7,7 @@ Layout under the store root (``s3://bucket/prefix`` or ``file:///abs/dir``)::
     <root>/<tag>/_nodes/<node_rank>.json     written by each node after ALL of its files
                                              of <tag> are uploaded:
                                              {"format", "tag", "node_rank", "step", "time",
+                                              "attempt" (the run start that wrote it, markers.py),
                                               "files": {relpath: {"size", "sha256"[, "s3_sha256"
                                               (multipart composite), "md5" (its ETag)]}}}
     <root>/<tag>/manifest.json               written by node 0 once every node's marker

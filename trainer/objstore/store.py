@@ -64,6 +64,7 @@ from trainer.objstore.layout import (
     marker_files,
     step_from_tag,
 )
+from trainer.objstore.markers import is_current, marker_key, wait_for_markers
 from trainer.objstore.retention import download, prune
 from trainer.objstore.s3 import S3Backend, S3Options
 
@@ -86,6 +87,7 @@ class CheckpointStore:
         self.retry_deadline = retry_deadline  # BackgroundUploader's default
         self.log = log if log is not None else _log.warning
         self.url = backend.url
+        self.attempt: str | None = None  # the run attempt whose markers publish counts (markers.py)
 
     @classmethod
     def from_config(cls, storage: Mapping[str, Any], log: Callable[[str], None] | None = None) -> CheckpointStore:
@@ -119,7 +121,7 @@ class CheckpointStore:
         raise ValueError(f"unsupported storage url {url!r}: use file:///abs/path or s3://bucket/prefix")
 
     # -- reading -----------------------------------------------------------------------
-    def _read_json(self, key: str) -> dict[str, Any] | None:
+    def read_json(self, key: str) -> dict[str, Any] | None:
         data = self.backend.read_bytes(key)
         if data is None:
             return None
@@ -140,7 +142,7 @@ class CheckpointStore:
         step, nodes = -1, 0
         files: dict[str, dict[str, Any]] = {}
         for key in sorted(k for k in objs if k.startswith(f"{tag}/{NODES_DIR}/")):
-            marker = self._read_json(key)
+            marker = self.read_json(key)
             if not marker:
                 continue
             try:
@@ -180,14 +182,14 @@ class CheckpointStore:
                 by_tag.setdefault(tag, {})[key] = st
         infos = []
         for tag, tobjs in by_tag.items():
-            manifest = self._read_json(f"{tag}/{MANIFEST}") if f"{tag}/{MANIFEST}" in tobjs else None
+            manifest = self.read_json(f"{tag}/{MANIFEST}") if f"{tag}/{MANIFEST}" in tobjs else None
             infos.append(self._info_from_manifest(manifest, tag) if manifest else self._incomplete_info(tag, tobjs))
         infos.sort(key=lambda i: (i.step, i.time), reverse=True)
         return infos
 
     def info(self, tag: str) -> CheckpointInfo | None:
         """The complete checkpoint ``tag`` (from its manifest), or None."""
-        manifest = self._read_json(f"{check_tag(tag)}/{MANIFEST}")
+        manifest = self.read_json(f"{check_tag(tag)}/{MANIFEST}")
         return self._info_from_manifest(manifest, tag) if manifest else None
 
     def latest(self) -> CheckpointInfo | None:
@@ -218,8 +220,8 @@ class CheckpointStore:
         composites = part_checksums(self.backend.part_size, local, sizes)  # (fills _hash_many's cache)
         hashes = dict(zip(local, _hash_many(list(local.values())), strict=True))
         md5s = small_md5s(local, sizes)
-        marker_key = f"{tag}/{NODES_DIR}/{node_rank}.json"
-        marker = self._read_json(marker_key) or {}
+        key = marker_key(tag, node_rank)
+        marker = self.read_json(key) or {}
         recorded = marker.get("files", {})
         for rel, rec in recorded.items() if isinstance(recorded, dict) else ():
             # The whole-file md5 our marker holds for these very bytes (a store without checksums)
@@ -254,31 +256,29 @@ class CheckpointStore:
             new_files[rel]["s3_sha256"] = composite
         for rel, md5 in md5s.items():
             new_files[rel]["md5"] = md5
-        if not todo and marker and recorded == new_files:
+        if not todo and marker and recorded == new_files and is_current(self, marker):
             return  # no-op sync
         if f"{tag}/{MANIFEST}" in remote:
             self._unpublish(tag)
         if marker:
-            self.backend.delete([marker_key])  # publish must not count us in while we change
+            self.backend.delete([key])  # publish must not count us in while we change
         prog = Progress(progress, sum(i.size for i in todo))
         self.backend.upload_files(todo, prog)
         prog.finish()
         if self.backend.keeps_checksums is False:  # publish then compares listed ETags, no read-back
             for rel, md5 in md5_files({r: p for r, p in local.items() if r not in md5s}).items():
                 new_files[rel]["md5"] = md5
-        self.backend.write_bytes(
-            marker_key,
-            dumps(
-                {
-                    "format": FORMAT,
-                    "tag": tag,
-                    "node_rank": node_rank,
-                    "step": step if step is not None else step_from_tag(tag),
-                    "time": time.time(),
-                    "files": new_files,
-                }
-            ),
-        )
+        record = {
+            "format": FORMAT,
+            "tag": tag,
+            "node_rank": node_rank,
+            "step": step if step is not None else step_from_tag(tag),
+            "time": time.time(),
+            "files": new_files,
+        }
+        if self.attempt is not None:
+            record["attempt"] = self.attempt
+        self.backend.write_bytes(key, dumps(record))
         dt = time.monotonic() - t0
         _log.info(
             "uploaded %s node %d: %d files, %.1f MB in %.2f s (%d unchanged)",
@@ -306,29 +306,16 @@ class CheckpointStore:
         """Node 0: wait (up to ``timeout`` s) for every node's marker of ``tag``, write the
         manifest, then `latest`, then prune beyond ``keep``. False if nodes are missing."""
         check_tag(tag)
-        deadline = time.monotonic() + max(0.0, timeout)
-        wanted = {f"{tag}/{NODES_DIR}/{r}.json" for r in range(num_nodes)}
-        delay = 0.2
-        present = wanted & set(self.backend.list(f"{tag}/{NODES_DIR}/"))
-        while present != wanted and time.monotonic() + delay <= deadline:
-            time.sleep(delay)
-            delay = min(delay * 1.5, 5.0)
-            present = wanted & set(self.backend.list(f"{tag}/{NODES_DIR}/"))
-        if present != wanted:
-            missing = sorted(int(k.rsplit("/", 1)[1][:-5]) for k in wanted - present)
+        markers, missing = wait_for_markers(self, tag, num_nodes, time.monotonic() + max(0.0, timeout))
+        if missing:
             self.log(f"not publishing {tag}: node(s) {missing} did not finish uploading within {timeout:.1f} s")
             return False
 
         files: dict[str, dict[str, Any]] = {}
         composites: dict[str, str | None] = {}
         md5s: dict[str, str | None] = {}
-        for rank in range(num_nodes):
-            key = f"{tag}/{NODES_DIR}/{rank}.json"
-            marker = self._read_json(key)
-            if marker is None:
-                self.log(f"not publishing {tag}: node {rank}'s marker vanished (re-upload in progress)")
-                return False
-            for rel, f in marker_files(marker, f"{self.url}/{key}").items():
+        for rank, marker in sorted(markers.items()):
+            for rel, f in marker_files(marker, f"{self.url}/{marker_key(tag, rank)}").items():
                 prev = files.get(rel)
                 if prev and prev["sha256"] != f["sha256"]:
                     raise StorageError(
