@@ -88,6 +88,24 @@ def test_the_guard_stops_running_runs_and_tears_down_at_the_cap(tmp_path):
             run.kill()
 
 
+def test_a_detached_start_returns_once_its_group_exists(tmp_path, monkeypatch):
+    """On a busy node the child runs setsid late; the guard's start probed the group before it existed
+    and failed ("the budget guard did not start", in a full run). A setsid that starts 1 s late."""
+    slow = tmp_path / "bin"
+    slow.mkdir()
+    real = subprocess.run(["bash", "-c", "command -v setsid"], capture_output=True, text=True).stdout.strip()
+    (slow / "setsid").write_text(f'#!/bin/sh\nsleep 1\nexec {real} "$@"\n')
+    (slow / "setsid").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{slow}{os.pathsep}{os.environ['PATH']}")
+    (tmp_path / "job.sh").write_text("sleep 60\n")
+    node = LocalNode()
+    pgid = node.start_detached(str(tmp_path), "job.sh", "job.log")
+    try:
+        assert node.group_alive(pgid) and os.getpgid(pgid) == pgid  # a group of its own, at once
+    finally:
+        node.signal_group(pgid, "KILL")
+
+
 def test_a_run_no_longer_carries_a_watchdog_and_refuses_a_spent_cap(tmp_path, monkeypatch):
     from provision.providers import vast
 

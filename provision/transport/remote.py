@@ -26,7 +26,14 @@ LineSink = Callable[[str], None]
 # backgrounded list: `cd && setsid ... &` forks a subshell that keeps the caller's stdout
 # (an SSH channel or pipe then stays open for the whole run) and whose pid ($!) is not the
 # run's process group. A lone simple command is forked and exec'd: $! = setsid's pid = pgid.
-DETACH_SCRIPT = 'cd "$1" || exit 97; setsid nohup bash "$2" > "$3" 2>&1 < /dev/null & echo $!'
+# setsid makes the child a process group of its own only once it runs, and the caller may probe or
+# signal that group at once (a busy node took seconds: "the budget guard did not start"); so wait, 10 s
+# at most, until the group exists or the child is gone, then print the pid (= the pgid).
+DETACH_SCRIPT = (
+    'cd "$1" || exit 97; setsid nohup bash "$2" > "$3" 2>&1 < /dev/null & pid=$!; n=0; '
+    'until kill -0 -- "-$pid" 2>/dev/null || ! kill -0 "$pid" 2>/dev/null || [ "$n" -ge 200 ]; '
+    'do sleep 0.05; n=$((n + 1)); done; echo "$pid"'
+)
 
 
 @dataclass
