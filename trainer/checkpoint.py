@@ -26,7 +26,7 @@ from trainer.config import DistEnv, RunConfig, TrainerError
 from trainer.diskroom import LocalTag, Room, expected_save_bytes, free_bytes, plan_room, tag_bytes
 
 CKPT_DIR = "checkpoints"
-NOTHING_WAITING = 1 << 24  # coalesce's "no upload waits here" (exact in the float32 all-reduce; above any step)
+NOTHING_WAITING = 1 << 24  # coalesce's "no upload waits here" (above any step)
 STATE_FILE = "trainer_state.json"
 METRICS_FILE = "metrics.jsonl"  # a copy of the run's metrics.jsonl as of the checkpoint (rank 0's node)
 _TAG_STEP = re.compile(r"^step(\d+)$")
@@ -360,7 +360,7 @@ def _max_everywhere(value: int) -> int:
     from deepspeed.accelerator import get_accelerator
 
     device = "cpu" if dist.get_backend() == "gloo" else get_accelerator().current_device_name()
-    t = torch.tensor([float(value)], device=device)
+    t = torch.tensor([value], dtype=torch.int64, device=device)  # exact for any int64, unlike float32
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 
@@ -369,13 +369,7 @@ def _attempt_everywhere() -> int:
     """One random 62-bit id for this start of the run, the same on every rank (rank 0 draws it)."""
     import secrets
 
-    import torch
-    from deepspeed.accelerator import get_accelerator
-
-    device = "cpu" if dist.get_backend() == "gloo" else get_accelerator().current_device_name()
-    t = torch.tensor([secrets.randbits(62) if dist.get_rank() == 0 else 0], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+    return _max_everywhere(secrets.randbits(62) if dist.get_rank() == 0 else 0)
 
 
 def check_compatible(tag_dir: Path, env: DistEnv) -> None:
