@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -93,8 +94,7 @@ def test_a_detached_start_returns_once_its_group_exists(tmp_path, monkeypatch):
     and failed ("the budget guard did not start", in a full run). A setsid that starts 1 s late."""
     slow = tmp_path / "bin"
     slow.mkdir()
-    real = subprocess.run(["bash", "-c", "command -v setsid"], capture_output=True, text=True).stdout.strip()
-    (slow / "setsid").write_text(f'#!/bin/sh\nsleep 1\nexec {real} "$@"\n')
+    (slow / "setsid").write_text(f'#!/bin/sh\nsleep 1\nexec {shutil.which("setsid")} "$@"\n')
     (slow / "setsid").chmod(0o755)
     monkeypatch.setenv("PATH", f"{slow}{os.pathsep}{os.environ['PATH']}")
     (tmp_path / "job.sh").write_text("sleep 60\n")
