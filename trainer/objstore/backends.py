@@ -82,7 +82,16 @@ class UploadItem:
     local: Path
     key: str
     size: int
+    sha256: str | None = None  # known when hashed before the upload; else hashed as it is sent
+
+
+@dataclass(frozen=True)
+class Uploaded:
+    """One file's digests, hashed from the very buffers that were sent."""
+
     sha256: str
+    composite: str | None = None  # S3's checksum of a multipart upload (digests.__doc__)
+    md5: str | None = None  # up to ETAG_MAX bytes, or where the store keeps no checksum: its ETag
 
 
 @dataclass(frozen=True)
@@ -124,7 +133,6 @@ class Progress:
 # --------------------------------------------------------------------------- hashing
 _hash_cache: dict[tuple[str, int, int], str] = {}
 _composite_cache: dict[tuple[str, int, int, int], str] = {}  # (path, size, mtime_ns, part size)
-_parts_cache: dict[tuple[str, int, int, int], list[bytes]] = {}  # each part's sha256, for the upload
 _hash_lock = threading.Lock()
 
 
@@ -158,23 +166,13 @@ def digests(path: Path, part_size: int | None) -> tuple[str, str | None]:
     The composite is what S3 reports for an object uploaded in parts of ``part_size`` bytes
     with ChecksumAlgorithm=SHA256: base64(sha256(part digest 1 + part digest 2 + ...)); None
     when ``part_size`` is None (a single-part upload, whose checksum is the plain sha256)."""
-    digest, composite, _parts = _digests(path, part_size)
-    return digest, composite
-
-
-def part_digests(path: Path, part_size: int) -> list[bytes]:
-    """The sha256 of each ``part_size`` part of a file (cached with digests'; read again if not)."""
-    return _digests(path, part_size)[2]
-
-
-def _digests(path: Path, part_size: int | None) -> tuple[str, str | None, list[bytes]]:
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
     pkey = (key[0], key[1], key[2], part_size or 0)
     with _hash_lock:
-        hit, composite, known = _hash_cache.get(key), _composite_cache.get(pkey), _parts_cache.get(pkey)
-    if hit is not None and (part_size is None or (composite is not None and known is not None)):
-        return hit, composite, known or []
+        hit, composite = _hash_cache.get(key), _composite_cache.get(pkey)
+    if hit is not None and (part_size is None or composite is not None):
+        return hit, composite
     whole, parts = hashlib.sha256(), []
     part, in_part = hashlib.sha256(), 0
     buf = bytearray(1 << 20)
@@ -200,8 +198,7 @@ def _digests(path: Path, part_size: int | None) -> tuple[str, str | None, list[b
         _hash_cache[key] = digest
         if composite is not None:
             _composite_cache[pkey] = composite
-            _parts_cache[pkey] = parts
-    return digest, composite, parts
+    return digest, composite
 
 
 def part_checksums(
@@ -332,9 +329,15 @@ class FileBackend:
             raise
         return digest.hexdigest()
 
-    def upload_files(self, items: builtins.list[UploadItem], progress: Progress) -> None:
+    def upload_files(self, items: builtins.list[UploadItem], progress: Progress) -> dict[str, Uploaded]:
+        """Copy each item into the store; each key's sha256 of the bytes copied (hashed in flight)."""
+        out = {}
         for it in items:
-            self._copy(it.local, self._path(it.key), progress)
+            digest = self._copy(it.local, self._path(it.key), progress)
+            if it.sha256 is not None and digest != it.sha256:
+                raise OSError(f"{it.local} changed while uploading (its sha256 is not the one hashed before)")
+            out[it.key] = Uploaded(digest)
+        return out
 
     def download_files(self, items: builtins.list[DownloadItem], progress: Progress) -> dict[str, str]:
         """Copy each item to its dest; each key's sha256 of the bytes written (hashed in flight)."""

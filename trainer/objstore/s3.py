@@ -20,6 +20,7 @@ from trainer.objstore.backends import (
     StorageError,
     StorageNotFound,
     StorageUnavailable,
+    Uploaded,
     UploadItem,
 )
 
@@ -117,7 +118,11 @@ class S3Backend:
             # trailers boto3 adds by default; we carry our own sha256 instead.
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
-            s3={"addressing_style": "path"} if self.endpoint_url else {},
+            # Every PUT carries its sha256 as x-amz-checksum-sha256, a signed header the store
+            # verifies (and publish checks end to end where it keeps none): signing the payload
+            # as well would make botocore hash every part a second time, over https too
+            # (it skips that only for its own checksums, not for ones the caller sends).
+            s3={"payload_signing_enabled": False} | ({"addressing_style": "path"} if self.endpoint_url else {}),
         )
         client = session.client("s3", endpoint_url=self.endpoint_url, config=cfg)
         return client
@@ -209,7 +214,23 @@ class S3Backend:
             raise self._error(exc, f"reading {key}") from exc
 
     def write_bytes(self, key: str, data: bytes) -> None:
-        self._call(f"writing {key}", self.client.put_object, Bucket=self.bucket, Key=self._key(key), Body=data)
+        import base64
+        import hashlib
+
+        sha = base64.b64encode(hashlib.sha256(data).digest()).decode()  # the payload is not signed
+        answers = s3parts.Answers(self.keeps_checksums)
+        answers.saw(
+            self._call(
+                f"writing {key}",
+                self.client.put_object,
+                Bucket=self.bucket,
+                Key=self._key(key),
+                Body=data,
+                ChecksumAlgorithm="SHA256",
+                ChecksumSHA256=sha,
+            )
+        )
+        self.keeps_checksums = answers.kept
 
     def head_sha256(self, key: str) -> str | None:
         from botocore import exceptions as bx
@@ -307,18 +328,29 @@ class S3Backend:
         except (bx.ClientError, bx.BotoCoreError) as exc:
             raise self._error(exc, what) from exc
 
-    def upload_files(self, items: builtins.list[UploadItem], progress: Progress) -> None:
-        """Upload; learns whether the store keeps SHA256 checksums (``keeps_checksums``)."""
+    def upload_files(self, items: builtins.list[UploadItem], progress: Progress) -> dict[str, Uploaded]:
+        """Upload; each key's digests (hashed as sent). Learns whether the store keeps SHA256
+        checksums (``keeps_checksums``)."""
         if not items:
-            return
-        client, o = self.client, self.options
-        kept = self._transfer(
-            f"uploading {len(items)} files",
-            lambda: s3parts.upload(
-                client, self.bucket, self._key, items, self.part_size, o.max_concurrency, o.max_buffer, progress
-            ),
-        )
-        self.keeps_checksums = kept if self.keeps_checksums is None else self.keeps_checksums and kept
+            return {}
+        client, o, answers = self.client, self.options, s3parts.Answers(self.keeps_checksums)
+        try:
+            return self._transfer(
+                f"uploading {len(items)} files",
+                lambda: s3parts.upload(
+                    client,
+                    self.bucket,
+                    self._key,
+                    items,
+                    self.part_size,
+                    o.max_concurrency,
+                    o.max_buffer,
+                    progress,
+                    answers,
+                ),
+            )
+        finally:
+            self.keeps_checksums = answers.kept
 
     def download_files(self, items: builtins.list[DownloadItem], progress: Progress) -> dict[str, str]:
         """Download each item to its dest; each key's sha256 of the bytes written (hashed in flight)."""

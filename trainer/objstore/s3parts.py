@@ -2,21 +2,26 @@
 each part one request whose body is one buffer.
 
 Why not boto3's transfer manager: it hands botocore a file object that http.client sends in
-8-16 KiB reads, it hashes every part again for ChecksumAlgorithm=SHA256 (we hashed it already:
-backends.digests keeps each part's digest), and its download writes through a queue and is
+8-16 KiB reads, it hashes every part again for ChecksumAlgorithm=SHA256 (we hash each buffer
+once and keep its digest), and its download writes through a queue and is
 hashed again afterwards. On a 2-core node every pass over the bytes is CPU the training and
 the other transfers need (benchmarks/bench_storage.py measures it against s5cmd). The CRT
 transfer client (awscrt) would do all of this in C, but boto3 builds it without the client's
 endpoint_url and the CRT cannot resolve a host:port endpoint (boto/boto3#4839), so it cannot
 talk to the S3-compatible stores we support.
 
-Upload: a part is read (pread, page cache) into one buffer and sent with its precomputed
-SHA256 (S3 checks it and keeps the composite publish compares); the parts alive at once are
-bounded by ``max_buffer`` bytes (S3Options). Download: a file is one GET, or a few long
-ranged GETs (one per connection), streamed to disk with pwrite in STREAM_CHUNK pieces; each
-range is hashed into the file's sha256 as soon as the ranges before it are on disk, from the
-page cache, so the file is verified while the rest still arrives. Memory: one chunk per
-connection.
+Upload: a part is read (pread, page cache) into one buffer, hashed (its SHA256 goes with it:
+S3 checks it and keeps the composite publish compares) and sent; the same buffers, in file
+order, make the whole-file sha256 (and md5 where the store keeps no checksum), so a file is
+read once and there is no hashing pass before the first byte goes out. A one-PUT file is
+hashed whole before it is sent. The buffers alive at once are bounded by ``max_buffer`` bytes
+(S3Options). The payload itself is not signed (s3.py): botocore would hash it once more.
+
+Download: a file is one GET, or a few long ranged GETs (one per connection), streamed to disk
+with pwrite in STREAM_CHUNK pieces; each range is hashed into the file's sha256 as soon as the
+ranges before it are on disk, from the page cache, so the file is verified while the rest
+still arrives. Memory: one chunk per connection.
+
 Retries are botocore's (standard mode) per request; the first failure cancels the rest,
 aborts the unfinished multipart uploads and is raised to S3Backend, which maps it.
 """
@@ -32,7 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from trainer.objstore.backends import DownloadItem, Progress, UploadItem, part_digests
+from trainer.objstore.backends import ETAG_MAX, DownloadItem, Progress, Uploaded, UploadItem
 
 
 def _b64(digest: bytes) -> str:
@@ -101,6 +106,62 @@ class _Batch:
 
 
 # --------------------------------------------------------------------------- upload
+class Answers:
+    """Whether the store keeps the SHA256 checksums it is sent (None: not known yet), from its
+    answers to one-part PUTs (moto and S3 echo a kept checksum there, rclone serve s3 keeps
+    none; a part's answer carries it on S3 but not on moto, so parts do not count). A store
+    without checksums needs each file's md5 in its marker: publish compares it with the ETag."""
+
+    def __init__(self, kept: bool | None):
+        self.kept = kept
+
+    def saw(self, resp: dict[str, Any]) -> None:
+        kept = bool(resp.get("ChecksumSHA256"))
+        self.kept = kept if self.kept is None else self.kept and kept
+
+
+class _WholeFile:
+    """Whole-file digests of a file sent in parts, from the part buffers themselves (the file
+    is read once): a part is fed to sha256 (and to md5 unless the store is known to keep
+    checksums) once it and every part before it were sent, by whichever worker completes the
+    run, and its buffer is freed (budget given back) once hashed. Parts sent ahead of a slow
+    one wait in memory, within the budget they already hold."""
+
+    def __init__(self, n_parts: int, budget: _Budget, answers: Answers):
+        self.sha256 = hashlib.sha256()
+        self.md5: Any = None  # decided at the first part, from what the store has answered by then
+        self.part_digests: list[bytes] = [b""] * n_parts
+        self._budget, self._answers, self._held, self._next = budget, answers, dict[int, bytes](), 0
+        self._active, self._lock = False, threading.Lock()
+
+    def sent(self, index: int, data: bytes, digest: bytes) -> None:
+        with self._lock:
+            self._held[index], self.part_digests[index] = data, digest
+            if self._active:
+                return  # the worker hashing now will get to it
+            self._active = True
+        while True:
+            with self._lock:
+                data = self._held.pop(self._next, b"")
+                if not data:
+                    self._active = False
+                    return
+                self._next += 1
+            if self._next == 1 and self._answers.kept is not True:
+                self.md5 = hashlib.md5(usedforsecurity=False)
+            self.sha256.update(data)
+            if self.md5 is not None:
+                self.md5.update(data)
+            self._budget.give(len(data))
+
+    def result(self, it: UploadItem) -> Uploaded:
+        digest = self.sha256.hexdigest()
+        if it.sha256 is not None and digest != it.sha256:
+            raise OSError(f"{it.local} changed while uploading (its sha256 is not the one hashed before)")
+        composite = _b64(hashlib.sha256(b"".join(self.part_digests)).digest())
+        return Uploaded(digest, composite, self.md5.hexdigest() if self.md5 is not None else None)
+
+
 def upload(
     client: Any,
     bucket: str,
@@ -110,47 +171,52 @@ def upload(
     concurrency: int,
     max_buffer: int,
     progress: Progress,
-) -> bool:
-    """Upload ``items`` (their sha256 known); raises the first botocore/OS error. True when
-    the store answered every request with the SHA256 checksum it verified and keeps."""
+    answers: Answers,
+) -> dict[str, Uploaded]:
+    """Upload ``items``, hashing each buffer as it goes (read once); raises the first
+    botocore/OS error. Each key's digests; ``answers`` learns whether the store keeps checksums.
+    One-part files go first: their answers tell the multipart files whether to make an md5."""
     batch = _Batch(concurrency)
     budget = _Budget(max_buffer, batch.failed)
     open_uploads: dict[str, str] = {}  # key -> UploadId, until completed
-    completions: list[tuple[str, str, list[Future[Any]]]] = []
+    whole: dict[str, Future[Any]] = {}
+    multipart: list[tuple[UploadItem, str, _WholeFile, list[Future[Any]]]] = []
     try:
-        for it in items:
+        for it in sorted(items, key=lambda it: part_size(it.size) is not None):
             if batch.failed.is_set():
                 break
-            key, meta = key_of(it.key), {"sha256": it.sha256}
-            psize = part_size(it.size)
+            key, psize = key_of(it.key), part_size(it.size)
             if psize is None:
                 if not budget.take(it.size):
                     break
-                batch.submit(_put_whole, client, bucket, key, it, meta, progress, budget)
+                whole[it.key] = batch.submit(_put_whole, client, bucket, key, it, progress, budget, answers)
                 continue
-            digests = part_digests(it.local, psize)
+            meta = {"sha256": it.sha256} if it.sha256 else {}  # known only when hashed before
             upload_id = client.create_multipart_upload(
                 Bucket=bucket, Key=key, Metadata=meta, ChecksumAlgorithm="SHA256"
             )["UploadId"]
             open_uploads[key] = upload_id
-            parts = []
-            for n, digest in enumerate(digests):
+            n_parts = -(-it.size // psize)
+            hasher, parts = _WholeFile(n_parts, budget, answers), []
+            for n in range(n_parts):
                 size = min(psize, it.size - n * psize)
                 if not budget.take(size):
                     break
-                args = (client, bucket, key, upload_id, n + 1, it.local, n * psize, size, digest, progress, budget)
+                args = (client, bucket, key, upload_id, n, it.local, n * psize, size, hasher, progress, budget)
                 parts.append(batch.submit(_put_part, *args))
-            completions.append((key, upload_id, parts))
+            multipart.append((it, upload_id, hasher, parts))
         exc = batch.finish()
         if exc is not None:
             raise exc
-        for key, upload_id, parts in completions:
-            done = [f.result()[0] for f in parts]
+        out = {k: f.result() for k, f in whole.items()}
+        for it, upload_id, hasher, parts in multipart:
+            key = key_of(it.key)
+            out[it.key] = hasher.result(it)  # a file changed since it was hashed is aborted, not completed
             client.complete_multipart_upload(
-                Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": done}
+                Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": [f.result() for f in parts]}
             )
             del open_uploads[key]
-        return all(f.result()[1] for f in batch.futures)
+        return out
     finally:
         batch.pool.shutdown(wait=True, cancel_futures=True)
         for key, upload_id in open_uploads.items():  # best effort: the server may be down
@@ -161,19 +227,31 @@ def upload(
 
 
 def _put_whole(
-    client: Any, bucket: str, key: str, it: UploadItem, meta: dict[str, str], progress: Progress, budget: _Budget
-) -> tuple[None, bool]:
-    """One PUT; (None, whether the store kept its SHA256 checksum)."""
+    client: Any, bucket: str, key: str, it: UploadItem, progress: Progress, budget: _Budget, answers: Answers
+) -> Uploaded:
+    """One PUT, hashed from its one buffer (and md5'd where its ETag is to vouch for it)."""
     try:
         data = Path(it.local).read_bytes()
         if len(data) != it.size:
             raise OSError(f"{it.local} changed size while uploading ({it.size} -> {len(data)} bytes)")
-        sha = _b64(bytes.fromhex(it.sha256))
-        resp = client.put_object(Bucket=bucket, Key=key, Body=data, Metadata=meta, ChecksumSHA256=sha)
+        sha = hashlib.sha256(data).digest()
+        if it.sha256 is not None and sha.hex() != it.sha256:
+            raise OSError(f"{it.local} changed while uploading (its sha256 is not the one hashed before)")
+        resp = client.put_object(  # ChecksumAlgorithm too: some stores (moto) keep the checksum only then
+            Bucket=bucket,
+            Key=key,
+            Body=data,
+            Metadata={"sha256": sha.hex()},
+            ChecksumAlgorithm="SHA256",
+            ChecksumSHA256=_b64(sha),
+        )
+        answers.saw(resp)
+        small_or_unkept = len(data) <= ETAG_MAX or not resp.get("ChecksumSHA256")
+        md5 = hashlib.md5(data, usedforsecurity=False).hexdigest() if small_or_unkept else None
     finally:
         budget.give(it.size)
     progress.add(len(data))
-    return None, bool(resp.get("ChecksumSHA256"))
+    return Uploaded(sha.hex(), None, md5)
 
 
 def _put_part(
@@ -181,14 +259,14 @@ def _put_part(
     bucket: str,
     key: str,
     upload_id: str,
-    number: int,
+    index: int,
     path: Path,
     offset: int,
     size: int,
-    digest: bytes,
+    hasher: _WholeFile,
     progress: Progress,
     budget: _Budget,
-) -> tuple[dict[str, Any], bool]:
+) -> dict[str, Any]:
     try:
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -197,19 +275,21 @@ def _put_part(
             os.close(fd)
         if len(data) != size:
             raise OSError(f"{path} changed size while uploading (short read at {offset})")
+        digest = hashlib.sha256(data).digest()
         resp = client.upload_part(
             Bucket=bucket,
             Key=key,
             UploadId=upload_id,
-            PartNumber=number,
+            PartNumber=index + 1,
             Body=data,
-            ChecksumSHA256=_b64(digest),  # S3 verifies it; botocore does not hash again
+            ChecksumSHA256=_b64(digest),  # S3 verifies it (the payload itself is not signed: s3.py)
         )
-    finally:
+    except BaseException:
         budget.give(size)
+        raise
     progress.add(len(data))
-    kept = bool(resp.get("ChecksumSHA256"))  # absent: the store ignores checksums (rclone serve s3)
-    return {"PartNumber": number, "ETag": resp["ETag"], "ChecksumSHA256": _b64(digest)}, kept
+    hasher.sent(index, data, digest)  # gives the budget back once hashed in order
+    return {"PartNumber": index + 1, "ETag": resp["ETag"], "ChecksumSHA256": _b64(digest)}
 
 
 # --------------------------------------------------------------------------- download

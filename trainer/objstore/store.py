@@ -72,6 +72,16 @@ _log = logging.getLogger("gpuctl.objstore")
 
 
 # --------------------------------------------------------------------------- store
+def _file_record(size: int, sha256: str, composite: str | None, md5: str | None) -> dict[str, Any]:
+    """A node marker's entry for one file (layout.py)."""
+    rec: dict[str, Any] = {"size": size, "sha256": sha256}
+    if composite is not None:
+        rec["s3_sha256"] = composite
+    if md5 is not None:
+        rec["md5"] = md5
+    return rec
+
+
 class CheckpointStore:
     """Checkpoints in one store root; see the module docstring for the layout."""
 
@@ -217,24 +227,26 @@ class CheckpointStore:
         t0 = time.monotonic()
         local = local_files(Path(local_tag_dir))
         sizes = {rel: p.stat().st_size for rel, p in local.items()}
-        composites = part_checksums(self.backend.part_size, local, sizes)  # (fills _hash_many's cache)
-        hashes = dict(zip(local, _hash_many(list(local.values())), strict=True))
-        md5s = small_md5s(local, sizes)
         key = marker_key(tag, node_rank)
         marker = self.read_json(key) or {}
         recorded = marker.get("files", {})
+        remote = self.backend.list(f"{tag}/")
+
+        # Only a file the store may already hold is hashed first: it is skipped when the store
+        # vouches for its bytes (its checksum; a store without one: the object's sha256 metadata),
+        # not on our marker's word: the object may have been replaced since, and publish would
+        # then refuse the checkpoint (one HEAD per file, in parallel). Every other file is hashed
+        # as it is sent, from the buffers the upload reads (read once).
+        listed = {rel: p for rel, p in local.items() if (st := remote.get(f"{tag}/{rel}")) and st.size == sizes[rel]}
+        composites = part_checksums(self.backend.part_size, listed, sizes)  # (fills _hash_many's cache)
+        hashes = dict(zip(listed, _hash_many(list(listed.values())), strict=True))
+        md5s = small_md5s(listed, sizes)
         for rel, rec in recorded.items() if isinstance(recorded, dict) else ():
             # The whole-file md5 our marker holds for these very bytes (a store without checksums)
             # still holds: the marker stays the same, and the listed ETag can vouch for the file.
-            if rel in local and rel not in md5s and isinstance(rec, dict) and rec.get("sha256") == hashes[rel]:
+            if rel in hashes and rel not in md5s and isinstance(rec, dict) and rec.get("sha256") == hashes[rel]:
                 if isinstance(rec.get("md5"), str) and MD5_RE.match(rec["md5"]):
                     md5s[rel] = rec["md5"]
-        remote = self.backend.list(f"{tag}/")
-
-        # Skip a file only when the store vouches for its bytes (its checksum; a store without one:
-        # the object's sha256 metadata), not on our marker's word: the object may have been replaced
-        # since, and publish would then refuse the checkpoint (one HEAD per file, in parallel).
-        listed = [rel for rel in local if (st := remote.get(f"{tag}/{rel}")) is not None and st.size == sizes[rel]]
 
         def vouched(rel: str) -> bool:
             if rel in md5s and remote[f"{tag}/{rel}"].etag == md5s[rel]:
@@ -245,28 +257,28 @@ class CheckpointStore:
 
         with ThreadPoolExecutor(max_workers=max(1, min(16, len(listed)))) as pool:
             stored = {rel for rel, ok in zip(listed, pool.map(vouched, listed), strict=True) if ok}
-        todo = [
-            UploadItem(path, f"{tag}/{rel}", sizes[rel], hashes[rel])
+        todo = {
+            rel: UploadItem(path, f"{tag}/{rel}", sizes[rel], hashes.get(rel))
             for rel, path in local.items()
             if rel not in stored
-        ]
+        }
 
-        new_files: dict[str, dict[str, Any]] = {rel: {"size": sizes[rel], "sha256": hashes[rel]} for rel in local}
-        for rel, composite in composites.items():
-            new_files[rel]["s3_sha256"] = composite
-        for rel, md5 in md5s.items():
-            new_files[rel]["md5"] = md5
+        new_files = {rel: _file_record(sizes[rel], hashes[rel], composites.get(rel), md5s.get(rel)) for rel in stored}
         if not todo and marker and recorded == new_files and is_current(self, marker):
             return  # no-op sync
         if f"{tag}/{MANIFEST}" in remote:
             self._unpublish(tag)
         if marker:
             self.backend.delete([key])  # publish must not count us in while we change
-        prog = Progress(progress, sum(i.size for i in todo))
-        self.backend.upload_files(todo, prog)
+        prog = Progress(progress, sum(i.size for i in todo.values()))
+        sent = self.backend.upload_files(list(todo.values()), prog)
         prog.finish()
+        for rel, it in todo.items():
+            got = sent[it.key]
+            new_files[rel] = _file_record(it.size, got.sha256, got.composite, got.md5)
         if self.backend.keeps_checksums is False:  # publish then compares listed ETags, no read-back
-            for rel, md5 in md5_files({r: p for r, p in local.items() if r not in md5s}).items():
+            no_md5 = {rel: local[rel] for rel, rec in new_files.items() if "md5" not in rec}
+            for rel, md5 in md5_files(no_md5).items():
                 new_files[rel]["md5"] = md5
         record = {
             "format": FORMAT,
