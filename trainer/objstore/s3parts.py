@@ -113,11 +113,12 @@ class Answers:
     without checksums needs each file's md5 in its marker: publish compares it with the ETag."""
 
     def __init__(self, kept: bool | None):
-        self.kept = kept
+        self.kept, self._lock = kept, threading.Lock()
 
     def saw(self, resp: dict[str, Any]) -> None:
         kept = bool(resp.get("ChecksumSHA256"))
-        self.kept = kept if self.kept is None else self.kept and kept
+        with self._lock:  # workers answer at once; one "not kept" must not be lost
+            self.kept = kept if self.kept is None else self.kept and kept
 
 
 class _WholeFile:
