@@ -1,5 +1,5 @@
-"""trainer.objstore.s3parts against moto_server on loopback: the upload keeps its part
-buffers within max_buffer, a file downloaded in several ranges arrives whole and verified,
+"""trainer.objstore.s3parts and s3download against moto_server on loopback: the upload keeps
+its part buffers within max_buffer, a file downloaded in several ranges arrives whole and verified,
 and a range cut mid-body goes on from where it stopped."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import threading
 import pytest
 from botocore.exceptions import ResponseStreamingError
 
-from trainer.objstore import s3parts
+from trainer.objstore import s3download
 from trainer.objstore.backends import DownloadItem, Progress, VerificationError
 from trainer.objstore.store import CheckpointStore
 
@@ -69,18 +69,18 @@ def test_upload_keeps_part_buffers_within_max_buffer(make_store, tmp_path):
 def test_ranges_cover_each_file_once_and_share_the_connections():
     part = lambda size: 5 * MiB if size >= 6 * MiB else None  # noqa: E731
     items = [DownloadItem(k, None, size) for k, size in [("big", 3000 * MiB), ("mid", 1000 * MiB), ("s", 10)]]  # type: ignore[arg-type]
-    ranges = s3parts.ranges_for(items, part, concurrency=16)
+    ranges = s3download.ranges_for(items, part, concurrency=16)
     for it, rs in zip(items, ranges, strict=True):
         assert rs[0][0] == 0 and sum(n for _, n in rs) == it.size
         assert all(a + n == b for (a, n), (b, _) in zip(rs, rs[1:], strict=False))
     assert [len(r) for r in ranges] == [12, 4, 1]  # connections in proportion to size
-    assert len(s3parts.ranges_for(items[1:2], part, concurrency=16)[0]) == 15  # 1000 MiB / 64 MiB
+    assert len(s3download.ranges_for(items[1:2], part, concurrency=16)[0]) == 15  # 1000 MiB / 64 MiB
 
 
 @pytest.fixture
 def small_ranges(monkeypatch):
-    monkeypatch.setattr(s3parts, "MIN_RANGE", 2 * MiB)
-    monkeypatch.setattr(s3parts, "STREAM_CHUNK", 256 << 10)
+    monkeypatch.setattr(s3download, "MIN_RANGE", 2 * MiB)
+    monkeypatch.setattr(s3download, "STREAM_CHUNK", 256 << 10)
 
 
 def test_a_file_in_several_ranges_arrives_whole_and_verified(make_store, tmp_path, small_ranges):

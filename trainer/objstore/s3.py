@@ -1,6 +1,7 @@
-"""The S3 backend of trainer.objstore: boto3's client, our own multipart transfers (s3parts.py),
-botocore's standard retry mode, and errors that name the bucket/endpoint and the fix but
-never credentials. boto3 is imported inside the class only (the laptop CLI starts fast).
+"""The S3 backend of trainer.objstore: boto3's client, our own bulk transfers (s3parts.py
+uploads, s3download.py downloads), botocore's standard retry mode, and errors that name the
+bucket/endpoint and the fix but never credentials. boto3 is imported inside the class only
+(the laptop CLI starts fast).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from trainer.objstore import s3parts
+from trainer.objstore import s3download, s3parts
 from trainer.objstore.backends import (
     DownloadItem,
     ObjectStat,
@@ -359,7 +360,7 @@ class S3Backend:
         client, o = self.client, self.options
         return self._transfer(
             f"downloading {len(items)} files",
-            lambda: s3parts.download(
+            lambda: s3download.download(
                 client, self.bucket, self._key, items, self.part_size, o.max_concurrency, progress
             ),
         )

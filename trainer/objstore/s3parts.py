@@ -1,5 +1,5 @@
-"""Bulk S3 transfers for S3Backend: multipart upload and ranged download on a thread pool,
-each part one request whose body is one buffer.
+"""Bulk S3 uploads for S3Backend (downloads: s3download.py): multipart upload on a thread
+pool, each part one request whose body is one buffer.
 
 Why not boto3's transfer manager: it hands botocore a file object that http.client sends in
 8-16 KiB reads, it hashes every part again for ChecksumAlgorithm=SHA256 (we hash each buffer
@@ -17,11 +17,6 @@ read once and there is no hashing pass before the first byte goes out. A one-PUT
 hashed whole before it is sent. The buffers alive at once are bounded by ``max_buffer`` bytes
 (S3Options). The payload itself is not signed (s3.py): botocore would hash it once more.
 
-Download: a file is one GET, or a few long ranged GETs (one per connection), streamed to disk
-with pwrite in STREAM_CHUNK pieces; each range is hashed into the file's sha256 as soon as the
-ranges before it are on disk, from the page cache, so the file is verified while the rest
-still arrives. Memory: one chunk per connection.
-
 Retries are botocore's (standard mode) per request; the first failure cancels the rest,
 aborts the unfinished multipart uploads and is raised to S3Backend, which maps it.
 """
@@ -37,7 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from trainer.objstore.backends import ETAG_MAX, DownloadItem, Progress, Uploaded, UploadItem
+from trainer.objstore.backends import ETAG_MAX, Progress, Uploaded, UploadItem
 
 
 def _b64(digest: bytes) -> str:
@@ -68,7 +63,7 @@ class _Budget:
             self._cond.notify_all()
 
 
-class _Batch:
+class Batch:
     """A pool of ``workers`` threads; the first exception cancels what has not started."""
 
     def __init__(self, workers: int):
@@ -177,7 +172,7 @@ def upload(
     """Upload ``items``, hashing each buffer as it goes (read once); raises the first
     botocore/OS error. Each key's digests; ``answers`` learns whether the store keeps checksums.
     One-part files go first: their answers tell the multipart files whether to make an md5."""
-    batch = _Batch(concurrency)
+    batch = Batch(concurrency)
     budget = _Budget(max_buffer, batch.failed)
     open_uploads: dict[str, str] = {}  # key -> UploadId, until completed
     whole: dict[str, Future[Any]] = {}
@@ -291,128 +286,3 @@ def _put_part(
     progress.add(len(data))
     hasher.sent(index, data, digest)  # gives the budget back once hashed in order
     return {"PartNumber": index + 1, "ETag": resp["ETag"], "ChecksumSHA256": _b64(digest)}
-
-
-# --------------------------------------------------------------------------- download
-STREAM_CHUNK = 4 << 20  # a download connection holds one such buffer at a time
-MIN_RANGE = 64 << 20  # a shorter range costs more in requests than it gains in parallelism
-STREAM_ATTEMPTS = 5  # a long range cut mid-body resumes where it stopped (as s3transfer does)
-
-
-class _InOrderHash:
-    """sha256 of a file whose ranges are written in any order: once a range and all before
-    it are on disk, one worker hashes them, read back from the page cache they were just
-    written to (a memcpy, no disk I/O), while the other ranges go on downloading."""
-
-    def __init__(self, fd: int, ranges: list[tuple[int, int]]):
-        self.digest = hashlib.sha256()
-        self._fd, self._ranges = fd, ranges
-        self._next, self._done, self._active = 0, set[int](), False
-        self._lock = threading.Lock()
-
-    def written(self, index: int) -> None:
-        with self._lock:
-            self._done.add(index)
-            if self._active:
-                return  # the worker hashing now will get to it
-            self._active = True
-        while True:
-            with self._lock:
-                if self._next not in self._done:
-                    self._active = False
-                    return
-                start, length = self._ranges[self._next]
-            for off in range(start, start + length, STREAM_CHUNK):
-                self.digest.update(os.pread(self._fd, min(STREAM_CHUNK, start + length - off), off))
-            with self._lock:
-                self._next += 1
-
-
-def ranges_for(
-    items: list[DownloadItem], part_size: Callable[[int], int | None], concurrency: int
-) -> list[list[tuple[int, int]]]:
-    """Each file's byte ranges, one GET each: a file below the multipart threshold is one
-    GET; larger files share the ``concurrency`` connections in proportion to their size, in
-    ranges of at least MIN_RANGE bytes, so each connection streams one long range. Few
-    requests: a server that reads the whole object for each ranged GET (moto does) is not
-    made to read it many times, and real S3 gives each connection its full speed on a range."""
-    large = sum(it.size for it in items if part_size(it.size))
-    out = []
-    for it in items:
-        if not part_size(it.size):
-            out.append([(0, it.size)])
-            continue
-        n = max(1, min(round(concurrency * it.size / large), it.size // MIN_RANGE))
-        step = -(-it.size // n)
-        out.append([(start, min(step, it.size - start)) for start in range(0, it.size, step)])
-    return out
-
-
-def download(
-    client: Any,
-    bucket: str,
-    key_of: Callable[[str], str],
-    items: list[DownloadItem],
-    part_size: Callable[[int], int | None],
-    concurrency: int,
-    progress: Progress,
-) -> dict[str, str]:
-    """Download ``items`` to their dest; returns each key's sha256 (hex) of the bytes written."""
-    batch = _Batch(concurrency)
-    hashes: dict[str, _InOrderHash] = {}
-    fds: list[int] = []
-    try:
-        for it, ranges in zip(items, ranges_for(items, part_size, concurrency), strict=True):
-            it.dest.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(it.dest, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-            fds.append(fd)
-            os.ftruncate(fd, it.size)
-            hashes[it.key] = h = _InOrderHash(fd, ranges)
-            whole = len(ranges) == 1
-            for n, (start, length) in enumerate(ranges):
-                batch.submit(_get_range, client, bucket, key_of(it.key), fd, n, start, length, whole, h, progress)
-        exc = batch.finish()
-        if exc is not None:
-            raise exc
-    finally:
-        batch.pool.shutdown(wait=True, cancel_futures=True)
-        for fd in fds:
-            os.close(fd)
-    return {key: h.digest.hexdigest() for key, h in hashes.items()}
-
-
-def _get_range(
-    client: Any,
-    bucket: str,
-    key: str,
-    fd: int,
-    index: int,
-    start: int,
-    length: int,
-    whole: bool,
-    hasher: _InOrderHash,
-    progress: Progress,
-) -> None:
-    from botocore.exceptions import HTTPClientError
-
-    got, attempt = 0, 1
-    while True:
-        if whole:  # one GET (also an empty object, which has no byte range)
-            resp = client.get_object(Bucket=bucket, Key=key)
-        else:
-            resp = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start + got}-{start + length - 1}")
-        try:
-            for chunk in resp["Body"].iter_chunks(STREAM_CHUNK):
-                if got + len(chunk) > length:  # a store is untrusted: never write past the manifest's size
-                    raise OSError(f"{key} is longer than its manifest says ({length} bytes from {start}): refused")
-                os.pwrite(fd, chunk, start + got)
-                got += len(chunk)
-                progress.add(len(chunk))
-            break
-        except HTTPClientError:  # cut mid-body: botocore retried the request, not the stream
-            if whole or attempt >= STREAM_ATTEMPTS:
-                raise
-            attempt += 1  # go on from the last byte written
-    if got != length:
-        raise OSError(f"short read of {key} bytes {start}-{start + length - 1}: got {got}")
-    hasher.written(index)
