@@ -2,7 +2,7 @@
 pass after), on moto (keeps SHA256 checksums) and rclone serve s3 (keeps none). Bodies go with
 a signed checksum header instead of a signed payload (botocore would hash every part again),
 so a body changed on the wire is caught before the checkpoint is published; a file changed
-after it was hashed is not completed."""
+after it was hashed is not completed. Publish lists no object of the complete checkpoints."""
 
 from __future__ import annotations
 
@@ -119,3 +119,25 @@ def test_a_file_changed_after_it_was_hashed_is_not_stored(make_store, tmp_path, 
     if make_store.kind == "moto":  # the multipart upload was aborted, not left to be billed
         client, bucket = store.backend.client, store.backend.bucket
         assert not client.list_multipart_uploads(Bucket=bucket).get("Uploads")
+
+
+def test_publishing_lists_no_object_of_the_complete_checkpoints(make_store, tmp_path):
+    """rclone serve s3 hashes every object it lists: publish and pruning find the checkpoints
+    by their folders and manifests, and list no object of a checkpoint that stays."""
+    store = make_store()
+    store.keep = 2
+    lists: list[dict] = []
+    store.backend.client.meta.events.register(
+        "before-parameter-build.s3.ListObjectsV2", lambda params, **_: lists.append(dict(params))
+    )
+    for step in (1, 2, 3):
+        src = save_dir(tmp_path / f"step{step}", {"model.pt": 7 * MiB, "tiny.json": 100})
+        store.upload_shards(src, f"step{step}", 0)
+        lists.clear()
+        assert store.publish(f"step{step}", step, 1, 1, timeout=10)
+        kept = {i.tag for i in store.list() if i.tag != f"step{step}"}
+        for prefix in (p["Prefix"] for p in lists if "Delimiter" not in p):  # object listings:
+            tag = prefix.removeprefix(f"{store.backend.prefix}/").split("/")[0]  # "": all of them
+            assert tag and tag not in kept, prefix  # the new tag's, or a pruned one's (to delete it)
+    assert [i.tag for i in store.list()] == ["step3", "step2"]  # step1 pruned
+    assert store.latest().tag == "step3"

@@ -280,6 +280,13 @@ class FileBackend:
                 out[p.relative_to(self.root).as_posix()] = ObjectStat(st.st_size, st.st_mtime)
         return out
 
+    def folders(self) -> builtins.list[str]:
+        """The names of the folders at the store's root."""
+        try:
+            return [e.name for e in os.scandir(self.root) if e.is_dir()]
+        except FileNotFoundError:
+            return []
+
     def read_bytes(self, key: str) -> bytes | None:
         try:
             return self._path(key).read_bytes()

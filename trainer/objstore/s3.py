@@ -200,6 +200,24 @@ class S3Backend:
             raise self._error(exc, f"listing {full or '/'}") from exc
         return out
 
+    def folders(self) -> builtins.list[str]:
+        """The names of the folders at the store's root (one delimited LIST: no object of theirs
+        is listed, which a store that hashes on listing, rclone serve s3, would read whole)."""
+        full = f"{self.prefix}/" if self.prefix else ""
+        pages = self._call(
+            f"listing {full or '/'}",
+            self.client.get_paginator("list_objects_v2").paginate,
+            Bucket=self.bucket,
+            Prefix=full,
+            Delimiter="/",
+        )
+        from botocore import exceptions as bx
+
+        try:
+            return [cp["Prefix"][len(full) :].rstrip("/") for page in pages for cp in page.get("CommonPrefixes", ())]
+        except (bx.ClientError, bx.BotoCoreError) as exc:
+            raise self._error(exc, f"listing {full or '/'}") from exc
+
     def read_bytes(self, key: str) -> bytes | None:
         from botocore import exceptions as bx
 

@@ -183,17 +183,17 @@ class CheckpointStore:
         )
 
     def list(self) -> builtins.list[CheckpointInfo]:
-        """All checkpoints, complete and incomplete, newest (highest step, then time) first."""
-        objs = self.backend.list()
-        by_tag: dict[str, dict[str, ObjectStat]] = {}
-        for key, st in objs.items():
-            tag, sep, _rest = key.partition("/")
-            if sep and TAG_RE.match(tag) and tag not in (LATEST, NODES_DIR):  # else not a checkpoint gpuctl writes
-                by_tag.setdefault(tag, {})[key] = st
+        """All checkpoints, complete and incomplete, newest (highest step, then time) first: a
+        complete one from its manifest, only an incomplete one from the listing of its objects."""
         infos = []
-        for tag, tobjs in by_tag.items():
-            manifest = self.read_json(f"{tag}/{MANIFEST}") if f"{tag}/{MANIFEST}" in tobjs else None
-            infos.append(self._info_from_manifest(manifest, tag) if manifest else self._incomplete_info(tag, tobjs))
+        for tag in self.backend.folders():
+            if not TAG_RE.match(tag) or tag in (LATEST, NODES_DIR):  # not a checkpoint gpuctl writes
+                continue
+            manifest = self.read_json(f"{tag}/{MANIFEST}")
+            if manifest:
+                infos.append(self._info_from_manifest(manifest, tag))
+            elif objs := self.backend.list(f"{tag}/"):
+                infos.append(self._incomplete_info(tag, objs))
         infos.sort(key=lambda i: (i.step, i.time), reverse=True)
         return infos
 
