@@ -89,7 +89,7 @@ def replace_lost_nodes(
             new_price += pick.price_per_hour
             state.save_cluster(record)  # `gpuctl down` finds the new instance even if this process dies now
             deadline = time.monotonic() + prov.ready_timeout
-            provider._ready(prov, record, node, deadline, say)
+            provider.wait_ready(prov, record, node, deadline, say)
             provider.check_not_excluded(record, node, exclude)
             offers = [o for o in offers if o.id != pick.id or not o.host]  # one machine per offer (vast)
         if record.world_size != cluster.world_size:

@@ -223,7 +223,7 @@ class CloudBackend(ProviderBackend):
             say(f"created {self.kind} instance {instance_id}; waiting for it to boot")
         deadline = time.monotonic() + prov.ready_timeout
         for node in record.nodes:
-            self._ready(prov, record, node, deadline, say)
+            self.wait_ready(prov, record, node, deadline, say)
         check_batch(cfg.train, record.world_size)
         if len(record.nodes) > 1:  # DeepSpeed's pdsh launcher: node-to-node SSH
             mesh.setup(record, self.nodes(record), say=say)
@@ -260,10 +260,11 @@ class CloudBackend(ProviderBackend):
                 )
             time.sleep(POLL_S)
 
-    def _ready(
+    def wait_ready(
         self, prov: CloudProvider, cluster: ClusterRecord, node: NodeRecord, deadline: float, say: Callable[[str], None]
     ) -> None:
-        """Vendor says running with an address -> SSH banner -> a command runs -> probe GPUs."""
+        """Wait until one booting node is usable (`up`, and `replace_node` for a new node): vendor says
+        running with an address -> SSH banner -> a command runs -> probe GPUs."""
         from provision.transport.ssh.connect import ConnectError, HostKeyRefused, wait_for_ssh
 
         assert node.instance_id is not None  # up() records every node with its instance id
