@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ from provision.flows import recover, replace_node
 from provision.providers import vast
 from provision.providers.base import UpOptions
 from tests.fakes.harness import node_fields, saved_run, serve_vast, wait_until, write_config
-from tests.fakes.preempt import steps
+from tests.fakes.preempt import freeze_past_a_checkpoint, steps
 from tests.fakes.vast_api import offer
 from tests.helpers import GPUCTL, free_port
 from tests.sshd import children_of
@@ -108,21 +107,6 @@ def _signal(pids: list[int], sig: int) -> None:
             pass
 
 
-def _freeze_past_a_checkpoint(run_dir: Path, store: Path) -> tuple[dict[int, float], int]:
-    """SIGSTOP every process of the run (both nodes) at a moment when it has run steps past the
-    store's newest complete checkpoint: (the losses so far, that checkpoint's step)."""
-    for _ in range(600):
-        pids = _run_processes(run_dir)
-        _signal(pids, signal.SIGSTOP)
-        latest = (store / "latest").read_text().strip() if (store / "latest").is_file() else ""
-        before = steps(run_dir / "metrics.jsonl")
-        if latest and max(before, default=0) > int(latest.removeprefix("step")):
-            return before, int(latest.removeprefix("step"))
-        _signal(pids, signal.SIGCONT)
-        time.sleep(0.5)
-    raise AssertionError("the run never got past a stored checkpoint")
-
-
 def _node1_processes() -> list[int]:
     """DeepSpeed's launch on node 1 (pdsh gave it --node_rank=1) and everything under it."""
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
@@ -139,15 +123,16 @@ def _node1_processes() -> list[int]:
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # two DeepSpeed starts on 2 nodes; on a loaded 2-core machine each takes minutes
 def test_e2e_a_lost_second_node_is_replaced_and_the_run_resumes(project, gpuctl, fake, tmp_path):
-    two_nodes(project, fake, tmp_path, {"max_restarts": 1}, max_steps=8, checkpoint_every=2, seq_len=64)
+    two_nodes(project, fake, tmp_path, {"max_restarts": 1}, max_steps=16, checkpoint_every=2, seq_len=64)
     assert gpuctl("up", "--yes").returncode == 0
     runs = tmp_path / "node" / "runs"
     proc = subprocess.Popen([*GPUCTL, "train"], cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_until(lambda: runs.is_dir() and any(runs.iterdir()), 120, "the run to start")
         run_dir = next(runs.iterdir())
-        wait_until(lambda: max(steps(run_dir / "metrics.jsonl"), default=0) >= 3, 600, "step 3", every=0.2)
-        before, stored = _freeze_past_a_checkpoint(run_dir, project / "gpuctl-storage")
+        before, stored = freeze_past_a_checkpoint(
+            run_dir, project / "gpuctl-storage", lambda sig: _signal(_run_processes(run_dir), sig)
+        )
         fake.preempt(7000002)  # the vendor says exited; what ran there ends with the machine
         _signal(_node1_processes(), signal.SIGKILL)
         # node 0's processes stay stopped, as ranks hung in a collective with a lost peer would: the
@@ -172,7 +157,7 @@ def test_e2e_a_lost_second_node_is_replaced_and_the_run_resumes(project, gpuctl,
     log = (run_dir / "job.log").read_text()
     assert "node1: " in log and "dist_world_size=2" in log  # the resumed run is 2 nodes again (pdsh)
     after = steps(run_dir / "metrics.jsonl")
-    assert sorted(after) == list(range(1, 9))  # metrics.jsonl continues, each step once
+    assert sorted(after) == list(range(1, 17))  # metrics.jsonl continues, each step once
     overlap = [s for s in before if s > event.step]
     assert overlap, (event.step, before)
     for step in overlap:  # the resumed steps match the uninterrupted run from that checkpoint

@@ -3,11 +3,13 @@ reads off its run dir: freeze the run past a stored checkpoint, kill what ran on
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.fakes.harness import wait_until
@@ -40,16 +42,35 @@ def steps(path: Path) -> dict[int, float]:
     return losses
 
 
-def freeze_past_a_checkpoint(run_dir: Path, store: Path) -> tuple[dict[int, float], int]:
+def _past_latest(run_dir: Path, store: Path) -> tuple[dict[int, float], int] | None:
+    """(the losses so far, the newest complete checkpoint's step) once the run has steps past it."""
+    latest = (store / "latest").read_text().strip() if (store / "latest").is_file() else ""
+    before = steps(run_dir / "metrics.jsonl")
+    if latest and max(before, default=0) > int(latest.removeprefix("step")):
+        return before, int(latest.removeprefix("step"))
+    return None
+
+
+def freeze_past_a_checkpoint(
+    run_dir: Path, store: Path, signal_run: Callable[[int], None] | None = None, timeout: float = 600.0
+) -> tuple[dict[int, float], int]:
     """Stop the run's processes (SIGSTOP) at a moment when it has run steps past the store's newest
-    complete checkpoint; (the losses so far, that checkpoint's step). Nothing moves until the kill."""
-    pgid = json.loads((run_dir / "status.json").read_text())["pgid"]
-    for _ in range(600):
-        os.killpg(pgid, signal.SIGSTOP)
-        latest = (store / "latest").read_text().strip() if (store / "latest").is_file() else ""
-        before = steps(run_dir / "metrics.jsonl")
-        if latest and max(before, default=0) > int(latest.removeprefix("step")):
-            return before, int(latest.removeprefix("step"))
-        os.killpg(pgid, signal.SIGCONT)
-        time.sleep(0.5)
-    raise AssertionError("the run never got past a stored checkpoint")
+    complete checkpoint; (the losses so far, that checkpoint's step). Nothing moves until the kill.
+
+    On the tiny model that moment may last a step or two (0.1 s each): the next checkpoint is
+    published right behind its save. So it is looked for every 20 ms without stopping anything,
+    then confirmed with the run stopped. ``signal_run(sig)`` signals every process of the run
+    (default: its process group, from status.json)."""
+    if signal_run is None:
+        signal_run = functools.partial(os.killpg, json.loads((run_dir / "status.json").read_text())["pgid"])
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _past_latest(run_dir, store) is None:
+            time.sleep(0.02)
+            continue
+        signal_run(signal.SIGSTOP)
+        found = _past_latest(run_dir, store)  # it may have published again before it stopped
+        if found is not None:
+            return found
+        signal_run(signal.SIGCONT)
+    raise AssertionError(f"the run never got past a stored checkpoint within {timeout:.0f} s")
