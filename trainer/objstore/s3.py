@@ -305,18 +305,12 @@ class S3Backend:
         return self._read_back_sha256(key) == sha256
 
     def _read_back_sha256(self, key: str) -> str:
-        import hashlib
-
-        digest = hashlib.sha256()
-        resp = self._call(f"reading {key} back", self.client.get_object, Bucket=self.bucket, Key=self._key(key))
         from botocore import exceptions as bx
 
         try:
-            for chunk in resp["Body"].iter_chunks(1 << 20):
-                digest.update(chunk)
-        except bx.BotoCoreError as exc:
+            return s3parts.read_back_sha256(self.client, self.bucket, self._key(key))
+        except (bx.ClientError, bx.BotoCoreError) as exc:
             raise self._error(exc, f"reading {key} back") from exc
-        return digest.hexdigest()
 
     def delete(self, keys: Iterable[str]) -> None:
         keys = list(keys)

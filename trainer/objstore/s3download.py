@@ -27,15 +27,19 @@ STREAM_ATTEMPTS = 5  # a long range cut mid-body resumes where it stopped (as s3
 class _InOrderHash:
     """sha256 of a file whose ranges are written in any order: once a range and all before
     it are on disk, one worker hashes them, read back from the page cache they were just
-    written to (a memcpy, no disk I/O), while the other ranges go on downloading."""
+    written to (a memcpy, no disk I/O), while the other ranges go on downloading. A file of
+    one range is hashed from the chunks themselves as they arrive (``inline``): nothing to reorder."""
 
     def __init__(self, fd: int, ranges: list[tuple[int, int]]):
         self.digest = hashlib.sha256()
+        self.inline = len(ranges) == 1
         self._fd, self._ranges = fd, ranges
         self._next, self._done, self._active = 0, set[int](), False
         self._lock = threading.Lock()
 
     def written(self, index: int) -> None:
+        if self.inline:
+            return
         with self._lock:
             self._done.add(index)
             if self._active:
@@ -131,6 +135,8 @@ def _get_range(
                 if got + len(chunk) > length:  # a store is untrusted: never write past the manifest's size
                     raise OSError(f"{key} is longer than its manifest says ({length} bytes from {start}): refused")
                 os.pwrite(fd, chunk, start + got)
+                if hasher.inline:
+                    hasher.digest.update(chunk)
                 got += len(chunk)
                 progress.add(len(chunk))
             break

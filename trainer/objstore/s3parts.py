@@ -29,10 +29,12 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from trainer.objstore.backends import ETAG_MAX, Progress, Uploaded, UploadItem
+from trainer.objstore.backends import ETAG_MAX, Progress, Uploaded, UploadItem, VerificationError
+from trainer.objstore.layout import MD5_RE
 
 
 def _b64(digest: bytes) -> str:
@@ -103,36 +105,76 @@ class Batch:
 # --------------------------------------------------------------------------- upload
 class Answers:
     """Whether the store keeps the SHA256 checksums it is sent (None: not known yet), from its
-    answers to one-part PUTs (moto and S3 echo a kept checksum there, rclone serve s3 keeps
-    none; a part's answer carries it on S3 but not on moto, so parts do not count). A store
-    without checksums needs each file's md5 in its marker: publish compares it with the ETag."""
+    answers: a one-part PUT's echoes the kept checksum, a CreateMultipartUpload's the algorithm
+    (moto and S3 do both, rclone serve s3 neither; a part's answer carries the checksum on S3 but
+    not on moto, so parts do not count). A store without checksums needs each file's md5 in its
+    marker: publish compares it with the ETag."""
 
     def __init__(self, kept: bool | None):
         self.kept, self._lock = kept, threading.Lock()
 
-    def saw(self, resp: dict[str, Any]) -> None:
-        kept = bool(resp.get("ChecksumSHA256"))
+    def saw(self, resp: dict[str, Any]) -> bool:
+        """Whether this answer says the checksum is kept."""
+        kept = bool(resp.get("ChecksumSHA256") or resp.get("ChecksumAlgorithm"))
         with self._lock:  # workers answer at once; one "not kept" must not be lost
             self.kept = kept if self.kept is None else self.kept and kept
+        return kept
+
+
+class CorruptUpload(VerificationError):
+    """The store holds other bytes than were sent (its ETag, the MD5 of what it stored, is not
+    ours, and a read-back confirms it). The object is deleted: the next attempt sends it again."""
+
+    transient = True
+
+
+def read_back_sha256(client: Any, bucket: str, key: str) -> str:
+    digest = hashlib.sha256()
+    for chunk in client.get_object(Bucket=bucket, Key=key)["Body"].iter_chunks(1 << 20):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _check_etag(client: Any, bucket: str, key: str, etag: str, got: Uploaded) -> None:
+    """Where the file was md5'd (the store keeps no checksum, or the file is small), the ETag
+    vouches for the stored bytes as soon as they are stored (publish checks again, from its
+    listing). An ETag that is not a plain MD5 (a multipart "-N" one) says nothing: publish reads
+    the object back. One that differs is confirmed by a read-back before the object is called
+    corrupt (SSE-KMS and SSE-C make ETags that are not the MD5 of the bytes)."""
+    etag = etag.strip('"')
+    if got.md5 is None or etag == got.md5 or not MD5_RE.match(etag):
+        return
+    if read_back_sha256(client, bucket, key) == got.sha256:
+        return
+    try:
+        client.delete_object(Bucket=bucket, Key=key)
+    except Exception:  # noqa: BLE001 - best effort: publish refuses it anyway
+        pass
+    raise CorruptUpload(f"{key}: the store holds other bytes than were sent (ETag {etag}, md5 {got.md5})")
 
 
 class _WholeFile:
     """Whole-file digests of a file sent in parts, from the part buffers themselves (the file
-    is read once): a part is fed to sha256 (and to md5 unless the store is known to keep
-    checksums) once it and every part before it were sent, by whichever worker completes the
-    run, and its buffer is freed (budget given back) once hashed. Parts sent ahead of a slow
-    one wait in memory, within the budget they already hold."""
+    is read once): a part is fed to sha256 (and md5 where the store keeps no checksum) once it
+    and every part before it were sent, by whichever worker completes the run, and its buffer is
+    freed (budget given back) once hashed. Parts sent ahead of a slow one wait in memory,
+    within the budget they already hold. The worker that hashes the last part calls ``done``:
+    the file is completed while the other files are still going up."""
 
-    def __init__(self, n_parts: int, budget: _Budget, answers: Answers):
+    def __init__(self, n_parts: int, budget: _Budget, checksummed: bool, done: Callable[[_WholeFile], None]):
         self.sha256 = hashlib.sha256()
-        self.md5: Any = None  # decided at the first part, from what the store has answered by then
-        self.part_digests: list[bytes] = [b""] * n_parts
-        self._budget, self._answers, self._held, self._next = budget, answers, dict[int, bytes](), 0
+        self.md5: Any = None if checksummed else hashlib.md5(usedforsecurity=False)
+        self.part_digests: list[bytes] | None = [b""] * n_parts if checksummed else None
+        self.part_answers: list[dict[str, Any]] = [{}] * n_parts
+        self._n, self._budget, self._done = n_parts, budget, done
+        self._held, self._next = dict[int, bytes](), 0
         self._active, self._lock = False, threading.Lock()
 
-    def sent(self, index: int, data: bytes, digest: bytes) -> None:
+    def sent(self, index: int, data: bytes, digest: bytes, answer: dict[str, Any]) -> None:
         with self._lock:
-            self._held[index], self.part_digests[index] = data, digest
+            self._held[index], self.part_answers[index] = data, answer
+            if self.part_digests is not None:
+                self.part_digests[index] = digest
             if self._active:
                 return  # the worker hashing now will get to it
             self._active = True
@@ -143,18 +185,18 @@ class _WholeFile:
                     self._active = False
                     return
                 self._next += 1
-            if self._next == 1 and self._answers.kept is not True:
-                self.md5 = hashlib.md5(usedforsecurity=False)
             self.sha256.update(data)
             if self.md5 is not None:
                 self.md5.update(data)
             self._budget.give(len(data))
+            if self._next == self._n:
+                self._done(self)
 
     def result(self, it: UploadItem) -> Uploaded:
         digest = self.sha256.hexdigest()
         if it.sha256 is not None and digest != it.sha256:
             raise OSError(f"{it.local} changed while uploading (its sha256 is not the one hashed before)")
-        composite = _b64(hashlib.sha256(b"".join(self.part_digests)).digest())
+        composite = _b64(hashlib.sha256(b"".join(self.part_digests)).digest()) if self.part_digests else None
         return Uploaded(digest, composite, self.md5.hexdigest() if self.md5 is not None else None)
 
 
@@ -171,14 +213,27 @@ def upload(
 ) -> dict[str, Uploaded]:
     """Upload ``items``, hashing each buffer as it goes (read once); raises the first
     botocore/OS error. Each key's digests; ``answers`` learns whether the store keeps checksums.
-    One-part files go first: their answers tell the multipart files whether to make an md5."""
+    A multipart file is completed by the worker that sent (and hashed) its last part."""
     batch = Batch(concurrency)
     budget = _Budget(max_buffer, batch.failed)
+    lock = threading.Lock()
     open_uploads: dict[str, str] = {}  # key -> UploadId, until completed
+    out: dict[str, Uploaded] = {}
     whole: dict[str, Future[Any]] = {}
-    multipart: list[tuple[UploadItem, str, _WholeFile, list[Future[Any]]]] = []
+
+    def complete(it: UploadItem, key: str, upload_id: str, hasher: _WholeFile) -> None:
+        got = hasher.result(it)  # a file changed since it was hashed is aborted, not completed
+        parts = {"Parts": hasher.part_answers}
+        client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload=parts)
+        with lock:
+            del open_uploads[key]
+        if got.md5 is not None:  # rclone serve s3 hashes the object now, while the rest goes up
+            _check_etag(client, bucket, key, client.head_object(Bucket=bucket, Key=key).get("ETag", ""), got)
+        with lock:
+            out[it.key] = got
+
     try:
-        for it in sorted(items, key=lambda it: part_size(it.size) is not None):
+        for it in sorted(items, key=lambda it: part_size(it.size) is not None):  # one-part files first
             if batch.failed.is_set():
                 break
             key, psize = key_of(it.key), part_size(it.size)
@@ -188,31 +243,21 @@ def upload(
                 whole[it.key] = batch.submit(_put_whole, client, bucket, key, it, progress, budget, answers)
                 continue
             meta = {"sha256": it.sha256} if it.sha256 else {}  # known only when hashed before
-            upload_id = client.create_multipart_upload(
-                Bucket=bucket, Key=key, Metadata=meta, ChecksumAlgorithm="SHA256"
-            )["UploadId"]
-            open_uploads[key] = upload_id
+            resp = client.create_multipart_upload(Bucket=bucket, Key=key, Metadata=meta, ChecksumAlgorithm="SHA256")
+            with lock:
+                open_uploads[key] = upload_id = resp["UploadId"]
             n_parts = -(-it.size // psize)
-            hasher, parts = _WholeFile(n_parts, budget, answers), []
+            hasher = _WholeFile(n_parts, budget, answers.saw(resp), partial(complete, it, key, upload_id))
             for n in range(n_parts):
                 size = min(psize, it.size - n * psize)
                 if not budget.take(size):
                     break
                 args = (client, bucket, key, upload_id, n, it.local, n * psize, size, hasher, progress, budget)
-                parts.append(batch.submit(_put_part, *args))
-            multipart.append((it, upload_id, hasher, parts))
+                batch.submit(_put_part, *args)
         exc = batch.finish()
         if exc is not None:
             raise exc
-        out = {k: f.result() for k, f in whole.items()}
-        for it, upload_id, hasher, parts in multipart:
-            key = key_of(it.key)
-            out[it.key] = hasher.result(it)  # a file changed since it was hashed is aborted, not completed
-            client.complete_multipart_upload(
-                Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": [f.result() for f in parts]}
-            )
-            del open_uploads[key]
-        return out
+        return out | {k: f.result() for k, f in whole.items()}
     finally:
         batch.pool.shutdown(wait=True, cancel_futures=True)
         for key, upload_id in open_uploads.items():  # best effort: the server may be down
@@ -241,13 +286,14 @@ def _put_whole(
             ChecksumAlgorithm="SHA256",
             ChecksumSHA256=_b64(sha),
         )
-        answers.saw(resp)
-        small_or_unkept = len(data) <= ETAG_MAX or not resp.get("ChecksumSHA256")
-        md5 = hashlib.md5(data, usedforsecurity=False).hexdigest() if small_or_unkept else None
+        kept = answers.saw(resp)
+        md5 = hashlib.md5(data, usedforsecurity=False).hexdigest() if len(data) <= ETAG_MAX or not kept else None
     finally:
         budget.give(it.size)
+    got = Uploaded(sha.hex(), None, md5)
+    _check_etag(client, bucket, key, resp.get("ETag", ""), got)  # where md5'd (moto keeps a checksum unchecked)
     progress.add(len(data))
-    return Uploaded(sha.hex(), None, md5)
+    return got
 
 
 def _put_part(
@@ -262,7 +308,7 @@ def _put_part(
     hasher: _WholeFile,
     progress: Progress,
     budget: _Budget,
-) -> dict[str, Any]:
+) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -271,18 +317,15 @@ def _put_part(
             os.close(fd)
         if len(data) != size:
             raise OSError(f"{path} changed size while uploading (short read at {offset})")
-        digest = hashlib.sha256(data).digest()
-        resp = client.upload_part(
-            Bucket=bucket,
-            Key=key,
-            UploadId=upload_id,
-            PartNumber=index + 1,
-            Body=data,
-            ChecksumSHA256=_b64(digest),  # S3 verifies it (the payload itself is not signed: s3.py)
-        )
+        answer: dict[str, Any] = {"PartNumber": index + 1}
+        digest = b""
+        if hasher.part_digests is not None:  # S3 verifies it and keeps it (the payload is not signed: s3.py)
+            digest = hashlib.sha256(data).digest()
+            answer["ChecksumSHA256"] = _b64(digest)
+        resp = client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, Body=data, **answer)
     except BaseException:
         budget.give(size)
         raise
     progress.add(len(data))
-    hasher.sent(index, data, digest)  # gives the budget back once hashed in order
-    return {"PartNumber": index + 1, "ETag": resp["ETag"], "ChecksumSHA256": _b64(digest)}
+    answer["ETag"] = resp["ETag"]
+    hasher.sent(index, data, digest, answer)  # gives the budget back once hashed in order

@@ -248,10 +248,11 @@ class CheckpointStore:
                 if isinstance(rec.get("md5"), str) and MD5_RE.match(rec["md5"]):
                     md5s[rel] = rec["md5"]
 
+        # The listing's ETag is the MD5 of the stored bytes: no HEAD, no composite (uploads make none there).
+        by_etag = {rel for rel in listed if rel in md5s and remote[f"{tag}/{rel}"].etag == md5s[rel]}
+
         def vouched(rel: str) -> bool:
-            if rel in md5s and remote[f"{tag}/{rel}"].etag == md5s[rel]:
-                return True  # the listing's ETag is the MD5 of the stored bytes: no HEAD
-            return self.backend.content_matches(
+            return rel in by_etag or self.backend.content_matches(
                 f"{tag}/{rel}", sizes[rel], hashes[rel], composites.get(rel), read_back=False
             )
 
@@ -263,7 +264,10 @@ class CheckpointStore:
             if rel not in stored
         }
 
-        new_files = {rel: _file_record(sizes[rel], hashes[rel], composites.get(rel), md5s.get(rel)) for rel in stored}
+        new_files = {
+            rel: _file_record(sizes[rel], hashes[rel], None if rel in by_etag else composites.get(rel), md5s.get(rel))
+            for rel in stored
+        }
         if not todo and marker and recorded == new_files and is_current(self, marker):
             return  # no-op sync
         if f"{tag}/{MANIFEST}" in remote:
