@@ -246,8 +246,9 @@ def upload(
             resp = client.create_multipart_upload(Bucket=bucket, Key=key, Metadata=meta, ChecksumAlgorithm="SHA256")
             with lock:
                 open_uploads[key] = upload_id = resp["UploadId"]
-            n_parts = -(-it.size // psize)
-            hasher = _WholeFile(n_parts, budget, answers.saw(resp), partial(complete, it, key, upload_id))
+            n_parts, kept_before = -(-it.size // psize), answers.kept
+            checksummed = answers.saw(resp) or kept_before is True  # parts carry one unless the store keeps none
+            hasher = _WholeFile(n_parts, budget, checksummed, partial(complete, it, key, upload_id))
             for n in range(n_parts):
                 size = min(psize, it.size - n * psize)
                 if not budget.take(size):
