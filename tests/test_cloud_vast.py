@@ -25,6 +25,7 @@ from tests.fakes.harness import (
     node_fields,
     saved_run,
     serve_vast,
+    text_once_it_says,
     wait_until,
     write_config,
 )
@@ -291,7 +292,7 @@ def test_e2e_up_train_self_teardown_down(project, gpuctl, fake, tmp_path, state_
         outputs += [down.stdout, down.stderr]
         assert down.returncode == 0, down.stderr
     run_dir = next((tmp_path / "node" / "runs").iterdir())
-    assert "self-teardown accepted" in (run_dir / "job.log").read_text()
+    text_once_it_says(run_dir / "job.log", "self-teardown accepted")
     assert not (run_dir / "secrets.env").exists()
     assert_secret_absent(fake.key, *outputs, dirs=(state_dir, tmp_path / "node", project))
     assert all(fake.key not in p for p in fake.raw_paths)  # never in a URL
@@ -309,8 +310,8 @@ def test_budget_cap_tears_the_node_down_even_if_the_run_goes_on(project, gpuctl,
     assert started.returncode == 0, started.stderr
     wait_until(lambda: not fake.instances, 180, "the budget guard to delete the node", every=1)
     run_dir = next((tmp_path / "node" / "runs").iterdir())
-    log = (tmp_path / "node" / "guard" / "guard.log").read_text()  # the node's guard, started by `up`
-    assert "budget cap reached" in log and "stopped run" in log and "self-teardown accepted" in log
+    log = text_once_it_says(tmp_path / "node" / "guard" / "guard.log", "self-teardown accepted")  # `up` started it
+    assert "budget cap reached" in log and "stopped run" in log
     wait_until(lambda: json.loads((run_dir / "status.json").read_text())["state"] == "cancelled", 60, "the run to stop")
     down = gpuctl("down", "--yes")
     assert down.returncode == 0, down.stderr

@@ -99,6 +99,13 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str, every: floa
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+def text_once_it_says(path: Path, needle: str, timeout: float = 30) -> str:
+    """The file's text once it holds ``needle``: a process logs what it did after doing it, so a
+    test that saw the deed may read the log before the line is there."""
+    wait_until(lambda: path.exists() and needle in path.read_text(errors="replace"), timeout, f"{needle!r} in {path}")
+    return path.read_text(errors="replace")
+
+
 def assert_secret_absent(secret: str, *texts: str, dirs: tuple[Path, ...] = ()) -> None:
     """The secret is in none of the texts and in no file under dirs (bytes compared)."""
     for text in texts:
