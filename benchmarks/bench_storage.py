@@ -199,7 +199,8 @@ def one_tool(tool: str, prefix: str, bucket: str, server_pid: int, ep: str, src:
         srv0 = group_cpu(server_pid)
         if tool == "objstore":
             run = run_objstore(direction, f"s3://{bucket}/{prefix}", ep, src, dst, env)
-            secs, cpu, res["rss"], res["publish_s"] = run["s"], run["cpu"], max(res["rss"], run["rss"]), run["publish"]
+            secs, cpu, res["rss"] = run["s"], run["cpu"], max(res["rss"], run["rss"])
+            res["publish_s"] += run["publish"]  # (the upload's)
         else:
             secs, cpu = timed(tool_cmd(tool, direction, ep, f"s3://{bucket}/{prefix}/", src, dst), env)
         res |= {
