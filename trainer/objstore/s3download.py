@@ -28,17 +28,17 @@ class _InOrderHash:
     """sha256 of a file whose ranges are written in any order: once a range and all before
     it are on disk, one worker hashes them, read back from the page cache they were just
     written to (a memcpy, no disk I/O), while the other ranges go on downloading. A file of
-    one range is hashed from the chunks themselves as they arrive (``inline``): nothing to reorder."""
+    one range (one GET, ``whole``) is hashed from the chunks themselves as they arrive: nothing to reorder."""
 
     def __init__(self, fd: int, ranges: list[tuple[int, int]]):
         self.digest = hashlib.sha256()
-        self.inline = len(ranges) == 1
+        self.whole = len(ranges) == 1
         self._fd, self._ranges = fd, ranges
         self._next, self._done, self._active = 0, set[int](), False
         self._lock = threading.Lock()
 
     def written(self, index: int) -> None:
-        if self.inline:
+        if self.whole:
             return
         with self._lock:
             self._done.add(index)
@@ -97,9 +97,8 @@ def download(
             fds.append(fd)
             os.ftruncate(fd, it.size)
             hashes[it.key] = h = _InOrderHash(fd, ranges)
-            whole = len(ranges) == 1
             for n, (start, length) in enumerate(ranges):
-                batch.submit(_get_range, client, bucket, key_of(it.key), fd, n, start, length, whole, h, progress)
+                batch.submit(_get_range, client, bucket, key_of(it.key), fd, n, start, length, h, progress)
         exc = batch.finish()
         if exc is not None:
             raise exc
@@ -118,13 +117,12 @@ def _get_range(
     index: int,
     start: int,
     length: int,
-    whole: bool,
     hasher: _InOrderHash,
     progress: Progress,
 ) -> None:
     from botocore.exceptions import HTTPClientError
 
-    got, attempt = 0, 1
+    got, attempt, whole = 0, 1, hasher.whole
     while True:
         if whole:  # one GET (also an empty object, which has no byte range)
             resp = client.get_object(Bucket=bucket, Key=key)
@@ -135,7 +133,7 @@ def _get_range(
                 if got + len(chunk) > length:  # a store is untrusted: never write past the manifest's size
                     raise OSError(f"{key} is longer than its manifest says ({length} bytes from {start}): refused")
                 os.pwrite(fd, chunk, start + got)
-                if hasher.inline:
+                if whole:
                     hasher.digest.update(chunk)
                 got += len(chunk)
                 progress.add(len(chunk))
