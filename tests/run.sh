@@ -7,6 +7,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Every phase's wall time, printed at the end (and on failure), so the suite's cost stays in view.
+PHASES=()
+phase_start=$SECONDS
+phase() { PHASES+=("$(printf '%-24s %5ds' "$1" $((SECONDS - phase_start)))"); phase_start=$SECONDS; }
+GPUCTL_TEST_PHASES=$(mktemp)
+export GPUCTL_TEST_PHASES
+print_phases() {
+  echo "wall time by phase:"
+  printf '  %s\n' "${PHASES[@]}"
+  cat "$GPUCTL_TEST_PHASES" 2>/dev/null
+  echo "  total                    ${SECONDS}s"
+  rm -f "$GPUCTL_TEST_PHASES"
+}
+trap print_phases EXIT
+
 APT_PACKAGES=(openssh-server openssh-client pdsh docker.io iproute2 procps debootstrap)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg"); done
@@ -20,6 +35,7 @@ fi
 PY="${PYTHON:-python}"
 if ! "$PY" -c "import torch" 2>/dev/null; then "$PY" -m pip install -q torch==2.13.0; fi
 "$PY" -m pip install -q -e '.[train,test]'
+phase "apt + pip"
 
 # DeepSpeed JIT-compiles its CPU ops on first use; keep them between runs, one folder per venv
 # (as launch.sh does): two venvs sharing one folder rebuild each other's ops, 1-4 min each time.
@@ -35,13 +51,18 @@ for name in ('CPUAdamBuilder', 'ShareMemCommBuilder'):
     get_accelerator().create_op_builder(name).load()
 print('deepspeed CPU ops ready')
 "
+phase "deepspeed op build"
 # Style and types first: they take seconds and fail fast.
 "$PY" -m ruff check .
 "$PY" -m ruff format --check .
 "$PY" -m mypy
+phase "ruff + mypy"
 set +e
-"$PY" -m pytest -q -p no:cacheprovider "$@"
+# --durations: the 25 slowest tests, at every run (the trainer image build is inside the first
+# test that asks for it: see its setup time there).
+"$PY" -m pytest -q -p no:cacheprovider --durations=25 "$@"
 rc=$?
 set -e
+phase "pytest"
 if [ "$rc" = 5 ]; then echo "no tests ran: that is a failure"; exit 1; fi
 exit "$rc"

@@ -270,6 +270,10 @@ def build_cpu_image(
 @pytest.fixture(scope="session")
 def trainer_image(image_engine) -> TrainerImage:
     log = cache_dir() / "trainer-image-build.log"
+    started = time.monotonic()
     with open(log, "w") as out:
         base, built = build_cpu_image(image_engine, IMAGE, say=lambda line: print(line, file=out, flush=True))
+    if phases := os.environ.get("GPUCTL_TEST_PHASES"):  # tests/run.sh prints it beside its own phases
+        with open(phases, "a") as out:
+            print(f"{'  image build (in pytest)':<26}{time.monotonic() - started:5.0f}s", file=out)
     return TrainerImage(IMAGE, built.image_id, base, image_engine, built.seconds, built.cached_steps, built.steps)
