@@ -3,6 +3,8 @@ DeepSpeed's pdsh launcher, one CPU rank each), one name for each prefix DeepSpee
 from the launcher's environment onto pdsh's command line and into job.log (MLFLOW, PYTHON, MV2, UCX;
 NCCL on CUDA nodes, and its per-node launcher logs every *NCCL* variable on any node).
 
+The same for train.strategy fsdp (torchrun.sh starts node 1's torchrun over ssh).
+
 Every rank of both nodes ends up with every value, although neither node's shell had one when its
 ranks started (the ranks' shells start from sshd); no value is in any process's argv while the run
 goes, in job.log, in what gpuctl printed (`logs` included), or in any file of the state dir (bundles,
@@ -35,7 +37,17 @@ SECRETS = {
 }
 
 
-def test_every_prefix_deepspeed_exports_reaches_both_nodes_ranks_and_nothing_else(sshd: SSHD, tmp_path, state_dir):
+# strategy -> (a process of every node's rank launch, that the argv samples must catch; what job.log says of node 1)
+LAUNCHES = {
+    "deepspeed": (b"deepspeed.launcher.launch", "cmd = pdsh"),  # DeepSpeed's runner and its pdsh command
+    "fsdp": (b"torch.distributed.run", "gpuctl: node 1 starts 1 rank(s) with torchrun"),  # torchrun.sh over ssh
+}
+
+
+@pytest.mark.parametrize("strategy", sorted(LAUNCHES))
+def test_every_prefix_deepspeed_exports_reaches_both_nodes_ranks_and_nothing_else(
+    sshd: SSHD, tmp_path, state_dir, strategy
+):
     project, hook = tmp_path / "project", tmp_path / "hook"
     project.mkdir()
     hook.mkdir()
@@ -52,8 +64,14 @@ def test_every_prefix_deepspeed_exports_reaches_both_nodes_ranks_and_nothing_els
             "authorized_keys": str(sshd.authorized_keys),
             "ready_timeout": 30,
         },
-        # the fewest steps that start and end both nodes' ranks; torch's Adam (no CPU Adam op to build)
-        "train": {"max_steps": 1, "checkpoint_every": 0, "seq_len": 32, "offload_optimizer": "none"},
+        # the fewest steps that start and end both nodes' ranks; DeepSpeed: torch's Adam (no CPU Adam op to build)
+        "train": {
+            "strategy": strategy,
+            **({"offload_optimizer": "none"} if strategy == "deepspeed" else {}),
+            "max_steps": 1,
+            "checkpoint_every": 0,
+            "seq_len": 32,
+        },
         "storage": {"url": str(project / "store")},
         "secrets": sorted(SECRETS),
         "env": {
@@ -67,7 +85,7 @@ def test_every_prefix_deepspeed_exports_reaches_both_nodes_ranks_and_nothing_els
     assert gpuctl("up").returncode == 0, gpuctl.outputs[-1]
     try:
         # `during`: DeepSpeed's per-node launcher, which pdsh starts on both nodes, was in the samples
-        with ArgvWatch(*SECRETS.values(), during=b"deepspeed.launcher.launch") as argv:
+        with ArgvWatch(*SECRETS.values(), during=LAUNCHES[strategy][0]) as argv:
             train = gpuctl("train")
         assert train.returncode == 0, train.stdout[-4000:] + train.stderr[-3000:]
         logs = gpuctl("logs")
@@ -78,7 +96,7 @@ def test_every_prefix_deepspeed_exports_reaches_both_nodes_ranks_and_nothing_els
 
     run_dir = Path(run["run_dir"])
     log = (run_dir / "job.log").read_text()
-    assert "127.0.0.2: " in log and "dist_world_size=2" in log and "cmd = pdsh" in log  # really pdsh, two nodes
+    assert LAUNCHES[strategy][1] in log and "127.0.0.2" in log  # really two nodes
     assert argv.caught >= 2 and argv.hits == [], argv.hits
     for value in SECRETS.values():
         assert value not in log and not [o for o in gpuctl.outputs if value in o]
