@@ -266,7 +266,7 @@ def test_pull_from_an_unreachable_registry_is_one_clear_error(laptop, node, monk
     monkeypatch.setenv(image.PASSWORD_ENV, SECRET)
     with pytest.raises(RemoteError) as err:
         image.ship(node, "127.0.0.1:9/gpuctl/none:1", "pull", say=lambda _: None)
-    assert "docker login failed" in err.value.message and SECRET not in err.value.message
+    assert "docker pull failed" in err.value.message and SECRET not in err.value.message
     monkeypatch.delenv(image.USER_ENV)
     with pytest.raises(RemoteError, match="docker pull failed"):
         image.ship(node, "127.0.0.1:9/gpuctl/none:1", "pull", say=lambda _: None)
