@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command (README quick start, step 2). Installs what the suite needs on a fresh
-# Debian machine (sshd, pdsh, dockerd, debootstrap, S3 peers), then runs pytest. The suite starts its
+# Debian machine (sshd, pdsh, dockerd, an image registry, debootstrap, S3 peers), then runs pytest. The suite starts its
 # own services on loopback (sshd on 127.0.0.1/127.0.0.2, moto S3 server, dockerd with vfs), and
 # builds the trainer image (cpu flavour) on a debootstrap base; that build is cached between runs
 # under ${GPUCTL_CACHE_DIR:-~/.cache/gpuctl} (tests/trainer_image.py).
@@ -22,7 +22,7 @@ print_phases() {
 }
 trap print_phases EXIT
 
-APT_PACKAGES=(openssh-server openssh-client pdsh docker.io iproute2 procps debootstrap)
+APT_PACKAGES=(openssh-server openssh-client pdsh docker.io docker-registry iproute2 procps debootstrap)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg"); done
 if [ "${#missing[@]}" -gt 0 ]; then

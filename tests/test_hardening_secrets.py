@@ -17,6 +17,8 @@ from pathlib import Path
 import paramiko
 import pytest
 import yaml
+from hypothesis import given
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from provision.cli.app import app
@@ -28,6 +30,7 @@ from provision.flows import job
 from provision.flows.render import BundleNode, BundleSpec, render_bundle
 from provision.transport.remote import LocalNode
 from provision.transport.ssh.node import SSHNode
+from trainer.config import TrainerError
 
 pytestmark = pytest.mark.timeout(120)
 TOKEN = "hf_TOKEN-" + hashlib.sha256(b"gpuctl-secret-test").hexdigest()[:24]
@@ -45,10 +48,12 @@ def leaks(token: str, *roots: Path) -> list[str]:
 
 
 class ArgvWatch:
-    """Samples every process's argv (/proc/*/cmdline) while a run goes on; records any holding the token."""
+    """Samples every process's argv (/proc/*/cmdline) while a run goes on; records any holding a token,
+    and how many samples caught a process whose argv holds `during` (proof that it watched the run)."""
 
-    def __init__(self, token: str):
-        self.token, self.hits, self.samples = token.encode(), [], 0
+    def __init__(self, *tokens: str, during: bytes | None = None):
+        self.tokens, self.hits, self.samples = [t.encode() for t in tokens], [], 0
+        self.during, self.caught = during, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -63,13 +68,16 @@ class ArgvWatch:
     def _run(self) -> None:
         while True:
             self.samples += 1
+            caught = False
             for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
                 try:
                     argv = cmdline.read_bytes()
                 except OSError:
                     continue
-                if self.token in argv:
-                    self.hits.append(argv.replace(b"\0", b" ").decode(errors="replace")[:200])
+                caught = caught or (self.during is not None and self.during in argv)
+                if any(token in argv for token in self.tokens):
+                    self.hits.append(argv.replace(b"\0", b" ").decode(errors="replace")[:300])
+            self.caught += caught
             if self._stop.wait(0.2):
                 return
 
@@ -117,7 +125,7 @@ def test_the_bundle_holds_the_token_only_in_its_0600_secrets_env(project, tmp_pa
     assert leaks(TOKEN, out) == [str(out / "secrets.env")]
     assert stat.S_IMODE((out / "secrets.env").stat().st_mode) == 0o600
     script = (out / "launch.sh").read_text()
-    assert "--venv_script" in script and "trap 'rm -f secrets.env' EXIT" in script
+    assert "--venv_script" not in script and "trap 'rm -f secrets.env' EXIT" in script
     # `gpuctl render` never carries a user token into a folder the user keeps
     (project / "gpuctl.yaml").write_text(yaml.safe_dump({"secrets": ["HF_TOKEN"]}))
     rendered = RUNNER.invoke(app, ["render", "-o", str(project / "kept")], env={"HF_TOKEN": TOKEN})
@@ -125,7 +133,9 @@ def test_the_bundle_holds_the_token_only_in_its_0600_secrets_env(project, tmp_pa
     assert (project / "kept" / "launch.sh").is_file() and leaks(TOKEN, project / "kept") == []
 
 
-def run_launch_sh(tmp_path: Path, nodes: int, launcher: str, setup: str | None = None) -> Path:
+def run_launch_sh(
+    tmp_path: Path, nodes: int, launcher: str, setup: str | None = None, after: list[str] | None = None
+) -> Path:
     """launch.sh for real, its DeepSpeed launcher replaced by a bash stand-in (bundle like test_budget_watchdog)."""
     out = tmp_path / "run"
     spec = BundleSpec(
@@ -136,6 +146,7 @@ def run_launch_sh(tmp_path: Path, nodes: int, launcher: str, setup: str | None =
         launcher_prefix=["bash", "-c", launcher, "stand-in"],
         secrets={"HF_TOKEN": TOKEN},
         setup=setup,
+        after_run=[after] if after else [],
     )
     render_bundle(GpuctlConfig(base_dir=tmp_path), spec, out)
     with open(out / "job.log", "w") as log:
@@ -145,19 +156,69 @@ def run_launch_sh(tmp_path: Path, nodes: int, launcher: str, setup: str | None =
     return out
 
 
-def test_one_node_the_launcher_gets_the_token_and_the_file_is_gone_before_it_starts(tmp_path):
+def test_the_launcher_never_holds_the_token_its_ranks_find_the_file_and_it_goes(tmp_path):
+    """One node and two: the launcher (DeepSpeed's runner, which copies MLFLOW*/PYTHON*/... variables onto
+    pdsh's command line) starts without the token and finds the 0600 file for its ranks; the node's setup
+    command gets it; the file is gone when launch.sh ends."""
+    sha = hashlib.sha256(TOKEN.encode()).hexdigest()
     probe = (
-        'printf "%s" "$HF_TOKEN" | sha256sum | cut -c1-64 > seen.sha;'
+        'printf "%s" "${HF_TOKEN:-}" | sha256sum | cut -c1-64 > seen.sha;'
         " [ -e secrets.env ] && echo present > file.state || echo gone > file.state;"
         " sleep 1"  # long enough for the argv watcher to see every process of the run
     )
-    with ArgvWatch(TOKEN) as argv:
-        out = run_launch_sh(tmp_path, 1, probe)
-    assert (out / "seen.sha").read_text().strip() == hashlib.sha256(TOKEN.encode()).hexdigest()
-    assert (out / "file.state").read_text().strip() == "gone"
-    assert json.loads((out / "status.json").read_text())["state"] == "succeeded"
-    assert argv.samples >= 3 and argv.hits == []
-    assert leaks(TOKEN, out) == []
+    setup = 'printf "%s" "$HF_TOKEN" | sha256sum | cut -c1-64 > setup.sha'
+    after = ["bash", "-c", 'printf "%s" "$HF_TOKEN" | sha256sum | cut -c1-64 > after.sha']  # e.g. self-teardown
+    for nodes in (1, 2):
+        with ArgvWatch(TOKEN) as argv:
+            out = run_launch_sh(tmp_path / str(nodes), nodes, probe, setup=setup, after=after)
+        assert (out / "seen.sha").read_text().strip() == hashlib.sha256(b"").hexdigest()
+        assert (out / "setup.sha").read_text().strip() == sha and (out / "after.sha").read_text().strip() == sha
+        assert (out / "file.state").read_text().strip() == "present"
+        assert json.loads((out / "status.json").read_text())["state"] == "succeeded"
+        assert not (out / "secrets.env").exists()
+        assert argv.samples >= 3 and argv.hits == []
+        assert leaks(TOKEN, out) == []
+
+
+def test_a_rank_reads_the_file_as_bash_would(tmp_path):
+    """trainer/secrets_file.py parses what render writes (shlex.quote) to the values bash's `.` gives."""
+    from trainer.secrets_file import load, parse
+
+    values = {"A": "plain", "B": 'it\'s $(rm -rf /) `x` \\ "q"', "C": "two\nlines", "D": "", "E": "x=y"}
+    spec = BundleSpec(run_id="p", run_dir=str(tmp_path), nodes=[BundleNode("n0", 1)], python="python3", secrets=values)
+    out = render_bundle(GpuctlConfig(base_dir=tmp_path), spec, tmp_path / "b")
+    text = (out / "secrets.env").read_text()
+    assert parse(text) == values
+    shown = subprocess.run(
+        ["bash", "-c", ". ./secrets.env; for n in A B C D E; do printf '%s\\0' \"${!n}\"; done"],
+        cwd=out,
+        capture_output=True,
+        check=True,
+    )
+    assert shown.stdout.decode().split("\0")[:-1] == list(values.values())
+    before = dict(os.environ)
+    try:
+        assert load(out) == sorted(values) and os.environ["B"] == values["B"]
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
+    for bad in ("A='open", "9X=1", "no-equals-sign"):
+        (out / "secrets.env").write_text(bad)
+        with pytest.raises(TrainerError) as err:
+            load(out)
+        assert "open" not in str(err.value) and "equals" not in str(err.value)
+    assert load(tmp_path / "nowhere") == []
+
+
+NAMES = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,20}", fullmatch=True)
+
+
+@given(st.dictionaries(NAMES, st.text(st.characters(exclude_characters="\0", exclude_categories=["Cs"])), max_size=8))
+def test_every_value_render_writes_is_read_back(values):
+    from provision.flows.render import secrets_text
+    from trainer.secrets_file import parse
+
+    assert parse(secrets_text(values)) == values
 
 
 def test_several_nodes_a_run_that_dies_early_still_removes_the_file(tmp_path):
@@ -235,21 +296,33 @@ def test_train_without_the_variable_is_one_line_and_starts_nothing(project, stat
 
 
 SITECUSTOMIZE = """
-import hashlib, json, os
-if "RANK" in os.environ and "LOCAL_RANK" in os.environ:  # a training rank, not the launcher
-    token = os.environ.get("HF_TOKEN", "")
-    leaks = []
+import atexit, hashlib, json, os
+NAMES = os.environ.get("GPUCTL_TEST_SECRET_NAMES", "HF_TOKEN").split(",")
+
+
+def _leaks(tokens):
+    found = []
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
                 argv = open(f"/proc/{pid}/cmdline", "rb").read()
             except OSError:
                 continue
-            if token and token.encode() in argv:
-                leaks.append(pid)
+            found += [pid for token in tokens if token and token.encode() in argv]
+    return found
+
+
+def _report(at_start):  # at exit: the trainer has loaded secrets.env by then (trainer/secrets_file.py)
+    seen = {n: hashlib.sha256(os.environ.get(n, "").encode()).hexdigest() for n in NAMES}
+    report = {"seen": seen, "argv_leaks": _leaks([os.environ.get(n, "") for n in NAMES]), **at_start,
+              "file_at_exit": os.path.exists("secrets.env")}
     with open(os.path.join(os.path.dirname(__file__), "rank%s.json" % os.environ["RANK"]), "w") as out:
-        json.dump({"sha": hashlib.sha256(token.encode()).hexdigest(), "argv_leaks": leaks,
-                   "secrets_file": os.path.exists("secrets.env")}, out)
+        json.dump(report, out)
+
+
+if "RANK" in os.environ and "LOCAL_RANK" in os.environ:  # a training rank, not the launcher
+    atexit.register(_report, {"env_at_start": sorted(n for n in NAMES if n in os.environ),
+                              "file_at_start": os.path.exists("secrets.env")})
 """
 
 
@@ -279,7 +352,8 @@ def test_a_secret_reaches_every_rank_and_nothing_else(gpuctl, project, state_dir
     ranks = [json.loads(p.read_text()) for p in sorted(hook.glob("rank*.json"))]
     assert len(ranks) == load_config(project / "gpuctl.yaml").provider.cpu_ranks
     for seen in ranks:
-        assert seen == {"sha": hashlib.sha256(TOKEN.encode()).hexdigest(), "argv_leaks": [], "secrets_file": False}
+        assert seen["seen"] == {"HF_TOKEN": hashlib.sha256(TOKEN.encode()).hexdigest()}, seen
+        assert seen["file_at_start"] and not seen["file_at_exit"] and seen["argv_leaks"] == [], seen
     assert argv.samples > 3 and argv.hits == []
     assert [o for o in gpuctl.outputs if TOKEN in o] == []
     assert leaks(TOKEN, state_dir, project) == []  # job.log, bundles, records, the node's run dir

@@ -30,7 +30,7 @@ runner = CliRunner()
 SECRET = "tok-" + "9f3b" * 8
 STUB_RUNNER = textwrap.dedent('''
     """Stand-in for deepspeed.launcher.runner in the test image: reports where and how it ran."""
-    import hashlib, json, os, signal, sys, time
+    import hashlib, json, os, pathlib, signal, sys, time
     args = sys.argv[1:]
     if os.environ.get("GPUCTL_TEST_IGNORE_TERM"):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -38,6 +38,9 @@ STUB_RUNNER = textwrap.dedent('''
     print("stub launcher: argv " + " ".join(args), flush=True)
     import trainer  # the run dir's lib/ through PYTHONPATH
     print(f"stub launcher: trainer from {os.path.dirname(trainer.__file__)}")
+    print(f"stub launcher: secret in the launcher's env={'GPUCTL_TEST_SECRET' in os.environ}")
+    from trainer import secrets_file  # what each rank does first: read the mounted run dir's secrets.env
+    secrets_file.load(pathlib.Path.cwd())
     secret = os.environ.get("GPUCTL_TEST_SECRET", "")
     print(f"stub launcher: secret sha256 {hashlib.sha256(secret.encode()).hexdigest()[:16] if secret else None}")
     print(f"stub launcher: plain={os.environ.get('GPUCTL_TEST_PLAIN')} hf_home={os.environ.get('HF_HOME')}")
@@ -133,7 +136,7 @@ def test_build_ship_run_in_docker_and_skip_the_second_ship(
     from provision.providers.ssh_hosts import SSHBackend
 
     # A secret the way cloud providers hand one over (self-teardown env): it must reach the
-    # container without appearing on any command line or in the image.
+    # container's ranks without appearing on any command line, in docker's container config or the image.
     monkeypatch.setattr(
         SSHBackend, "self_teardown", lambda self, c: SelfTeardown(["true"], {"GPUCTL_TEST_SECRET": SECRET})
     )
@@ -153,6 +156,7 @@ def test_build_ship_run_in_docker_and_skip_the_second_ship(
     assert "skipping the transfer" in out
     assert "stub launcher: in container=True" in out
     assert f"secret sha256 {hashlib.sha256(SECRET.encode()).hexdigest()[:16]}" in out
+    assert "secret in the launcher's env=False" in out  # the rank read it from the file, not docker -e
     assert "plain=visible" in out and "hf_home=" + str(tmp_path / "node" / "cache" / "huggingface") in out
     assert f"trainer from {tmp_path}/node/runs/" in out  # the bundle's copy, mounted at the same path
 
@@ -164,7 +168,7 @@ def test_build_ship_run_in_docker_and_skip_the_second_ship(
 
     run_dir = Path(status["run"]["run_dir"])
     launch = (run_dir / "launch.sh").read_text()
-    assert "docker run --rm --init" in launch and "-e GPUCTL_TEST_SECRET " in launch
+    assert "docker run --rm --init" in launch and "GPUCTL_TEST_SECRET" not in launch
     assert "--gpus" not in launch  # a CPU node: --gpus all would fail without the NVIDIA runtime
     assert SECRET not in launch and not (run_dir / "secrets.env").exists()
     history = node_docker.docker("history", "--no-trunc", "gpuctl-test:1").stdout.decode()
@@ -262,7 +266,7 @@ def test_pull_from_an_unreachable_registry_is_one_clear_error(laptop, node, monk
     monkeypatch.setenv(image.PASSWORD_ENV, SECRET)
     with pytest.raises(RemoteError) as err:
         image.ship(node, "127.0.0.1:9/gpuctl/none:1", "pull", say=lambda _: None)
-    assert "docker login failed" in err.value.message and SECRET not in err.value.message
+    assert "docker pull failed" in err.value.message and SECRET not in err.value.message
     monkeypatch.delenv(image.USER_ENV)
     with pytest.raises(RemoteError, match="docker pull failed"):
         image.ship(node, "127.0.0.1:9/gpuctl/none:1", "pull", say=lambda _: None)

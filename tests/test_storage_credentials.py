@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -17,7 +18,7 @@ from provision.core.config import GpuctlConfig
 from provision.core.credentials import storage_credentials
 from provision.core.errors import ConfigError, NotFoundError
 from provision.flows import job, resume
-from provision.flows.render import NODE_ENV, launcher_argv, render_bundle
+from provision.flows.render import launcher_argv, render_bundle
 
 MARKER = "SECRETmarker0123456789abcdefSECRET"
 
@@ -111,7 +112,7 @@ def test_bundle_carries_credentials_only_in_secrets_env(profile_env, tmp_path):
     others = [p for p in out.rglob("*") if p.is_file() and p != secrets]
     assert not [p for p in others if MARKER.encode() in p.read_bytes()]
     assert MARKER not in " ".join(launcher_argv(spec))
-    assert not (out / NODE_ENV).exists() and "--venv_script" not in launcher_argv(spec)  # one node
+    assert "--venv_script" not in launcher_argv(spec)
 
 
 def test_render_command_writes_no_credentials(profile_env, tmp_path):
@@ -125,50 +126,60 @@ def test_render_command_writes_no_credentials(profile_env, tmp_path):
     assert not (tmp_path / "out" / "secrets.env").exists()
 
 
-def test_multinode_ranks_source_secrets_without_command_line_or_log(profile_env, tmp_path):
-    """DeepSpeed's pdsh command (what it logs and runs on every node) carries no secret; the
-    node_env.sh it sources loads them and deletes that node's secrets.env."""
+def test_multinode_ranks_read_secrets_without_command_line_or_log(profile_env, tmp_path):
+    """DeepSpeed's pdsh command (what it logs and runs on every node), built by its own classes from our
+    argv, .deepspeed_env and the environment launch.sh gives it, carries no secret; each node's rank
+    reads that node's secrets.env itself, and local rank 0 deletes it (a shared run dir: one file)."""
     spec, out = _bundle(config(S3), tmp_path, hosts=2)
     argv = launcher_argv(spec)
-    assert argv[argv.index("--venv_script") + 1] == f"{spec.run_dir}/{NODE_ENV}"
+    assert "--venv_script" not in argv
     assert MARKER not in (out / ".deepspeed_env").read_text()
     assert oct((out / ".deepspeed_env").stat().st_mode & 0o777) == "0o600"
 
-    # What DeepSpeed's runner builds from our argv and .deepspeed_env (its own classes).
+    # The launcher's environment: launch.sh up to the launcher, which is replaced by `env`.
+    shutil.copytree(out, spec.run_dir)
+    launch = Path(spec.run_dir, "launch.sh")
+    assert shlex.join(argv) in launch.read_text()
+    launch.write_text(launch.read_text().replace(shlex.join(argv), "env -0 > launcher.env; true"))
+    clean = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/")}
+    subprocess.run(["bash", "launch.sh"], cwd=spec.run_dir, env=clean, timeout=60, check=True, capture_output=True)
+    seen = dict(v.split("=", 1) for v in Path(spec.run_dir, "launcher.env").read_text().split("\0") if v)
+    assert MARKER not in "".join(seen.values()) and "AWS_SECRET_ACCESS_KEY" not in seen
+    assert not Path(spec.run_dir, "secrets.env").exists()  # the EXIT trap, as the run ended
+
     pytest.importorskip("deepspeed")
     from deepspeed.launcher.multinode_runner import PDSHRunner
-    from deepspeed.launcher.runner import parse_args
+    from deepspeed.launcher.runner import EXPORT_ENVS, parse_args
 
     args = parse_args(
         argv[argv.index("deepspeed.launcher.runner") + 1 :]
         + ["--master_port", "29500", "--module", "trainer", "run.json"]
     )
     runner = PDSHRunner(args, "e30=")
+    for key, value in seen.items():  # what runner.main adds from its environment (CUDA: NCCL too)
+        if key.startswith((*EXPORT_ENVS, "NCCL")):
+            runner.add_export(key, value)
     for line in (out / ".deepspeed_env").read_text().splitlines():
         runner.add_export(*line.split("=", 1))
-    cmd, _kill, _env = runner.get_cmd(dict(os.environ), {"node0": [0], "node1": [0]})
-    line = " ".join(cmd)
-    assert MARKER not in line and f"source {spec.run_dir}/{NODE_ENV};" in line
+    cmd, _kill, _env = runner.get_cmd(dict(seen), {"node0": [0], "node1": [0]})
+    assert MARKER not in " ".join(cmd)
 
-    # The node side: the bundle copy in the run dir, sourced the way pdsh's remote shell does.
-    shutil.copytree(out, spec.run_dir)
-    script = f"source {spec.run_dir}/{NODE_ENV}; printenv AWS_SECRET_ACCESS_KEY GPUCTL_SECRETS_FILE"
-    shown = subprocess.run(
-        ["bash", "-c", script], capture_output=True, text=True, timeout=30, env={"PATH": os.environ["PATH"]}
-    )
-    assert shown.returncode == 0, shown.stderr
-    secret, secrets_file = shown.stdout.split()
-    assert secret == MARKER and secrets_file == f"{spec.run_dir}/secrets.env"
-    # Once every rank is up, local rank 0 of each node deletes it (a shared run dir: one file).
-    from trainer.checkpoint import drop_secrets_file
+    # The node side: a rank loads its node's copy; once every rank is up, local rank 0 deletes it.
+    from trainer.config import DistEnv
+    from trainer.secrets_file import drop, load
 
-    profile_env.setenv("GPUCTL_SECRETS_FILE", secrets_file)
-    profile_env.setenv("LOCAL_RANK", "1")
-    drop_secrets_file()
-    assert Path(secrets_file).exists()
-    profile_env.setenv("LOCAL_RANK", "0")
-    drop_secrets_file()
-    assert not Path(secrets_file).exists()
+    node = tmp_path / "node1-run"
+    shutil.copytree(out, node)
+    before = dict(os.environ)
+    try:
+        assert "AWS_SECRET_ACCESS_KEY" in load(node) and os.environ["AWS_SECRET_ACCESS_KEY"] == MARKER
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
+    drop(node, DistEnv(rank=1, local_rank=1, world_size=2, local_world_size=2))
+    assert (node / "secrets.env").exists()
+    drop(node, DistEnv(rank=0, local_rank=0, world_size=2, local_world_size=2))
+    assert not (node / "secrets.env").exists()
 
 
 def test_launch_sh_removes_secret_files_at_the_end(profile_env, tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from trainer import secrets_file
 from trainer.config import DistEnv, RunConfig, TrainerError, load_run_config
 
 
@@ -18,7 +19,9 @@ def main(argv: list[str]) -> int:
         return 2
     run_json = Path(argv[0])
     env, cfg = DistEnv.from_env(), None
+    run_dir = run_json.resolve().parent
     try:
+        secrets_file.load(run_dir)  # first: the run's secrets reach this rank only this way (see there)
         cfg = load_run_config(run_json)
         env = DistEnv.from_env(cfg.num_nodes)
         prepare_process(env)  # before torch loads: OpenMP and the pinned allocator read the env once
@@ -37,6 +40,8 @@ def main(argv: list[str]) -> int:
     except Exception as exc:  # the one top-level catch: record the failure, keep the traceback
         _record_failure(cfg, run_json, env, f"{type(exc).__name__}: {exc}")
         raise
+    finally:
+        secrets_file.drop(run_dir, env)  # this rank is done; a run that failed early leaves no secrets file
 
 
 def prepare_process(env: DistEnv) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import re
 import shutil
 from collections.abc import Callable, Iterator
@@ -42,7 +41,6 @@ class Position:
 
 def open_store(cfg: RunConfig, log: Callable[[str], None]):
     """The object store from run.json's storage block, or None when there is none."""
-    drop_secrets_file()
     if not cfg.storage or not cfg.storage.get("url"):
         return None
     # light: no torch; boto3 only for s3://
@@ -52,16 +50,6 @@ def open_store(cfg: RunConfig, log: Callable[[str], None]):
         return CheckpointStore.from_config(cfg.storage, log=log)
     except ValueError as exc:
         raise TrainerError(f"run.json storage: {exc}") from None
-
-
-def drop_secrets_file() -> None:
-    """Multi-node: each node's shell loaded the run's secrets.env (provision's node_env.sh, which
-    names it in GPUCTL_SECRETS_FILE) before starting its ranks. Every rank is past DeepSpeed's
-    setup by now, so every node has read it: local rank 0 deletes it (on a shared filesystem the
-    first one to get here does). The values stay in the ranks' environment."""
-    path = os.environ.get("GPUCTL_SECRETS_FILE")
-    if path and os.environ.get("LOCAL_RANK", "0") == "0":
-        Path(path).unlink(missing_ok=True)
 
 
 class Checkpointer:

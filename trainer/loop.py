@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import transformers
 from deepspeed.accelerator import get_accelerator
 
-from trainer import events
+from trainer import events, secrets_file
 from trainer.checkpoint import Checkpointer, Position, open_store, resume
 from trainer.config import DistEnv, RunConfig, TrainerError
 from trainer.dataset import (
@@ -111,6 +111,7 @@ class RunStats:
 def train(cfg: RunConfig, env: DistEnv) -> dict:
     """The whole run on this rank; returns summary.json's content."""
     run = setup(cfg, env)
+    secrets_file.drop(cfg.run_dir, env)  # every rank is past load_data's barrier: every rank has read it
     store = open_store(cfg, run.say)
     pos = resume(run.engine, cfg, env, store, run.say)
     sampler = Sampler(run.data.num_samples, cfg.train.seed)
@@ -167,7 +168,6 @@ def setup(cfg: RunConfig, env: DistEnv) -> Session:
     if precision != cfg.train.precision:
         say(f"warning: run.json precision {cfg.train.precision} but ds_config runs {precision}; using {precision}")
     tensorboard_or_off(ds_config, say)
-
     if not env.is_main:  # one "Loading weights" bar in job.log, not one per rank
         transformers.utils.logging.disable_progress_bar()
     events.phase("tokenizing data", str(cfg.train.data))

@@ -2,7 +2,7 @@
 object into <run dir>/cache/remote/ and the tokenize-once path in trainer.dataset takes it.
 
 Endpoint and region come from run.json["storage"] (the same store as the checkpoints, so R2 /
-MinIO work); credentials from the AWS_* env that launch.sh loads from secrets.env. boto3 is
+MinIO work); credentials from the AWS_* env the rank loads from secrets.env (secrets_file.py). boto3 is
 imported only when s3:// data is used. Errors are one line and never show credentials.
 """
 

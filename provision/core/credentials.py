@@ -2,8 +2,8 @@
 
 The laptop resolves them with boto3's standard chain (env vars, storage.profile or
 AWS_PROFILE, SSO / assume-role, instance role) and the node gets plain AWS_* variables in
-the bundle's 0600 secrets.env, which launch.sh sources (multi-node: each node's trainer reads
-its own copy, see render.py). The node has no profile, so run.json carries no profile name
+the bundle's 0600 secrets.env, which every rank reads itself (trainer/secrets_file.py; each node
+its own copy). The node has no profile, so run.json carries no profile name
 and no secret. Nothing here prints or raises with a key or token in it.
 """
 
@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 from provision.core.config import StorageConfig
 from provision.core.errors import ConfigError
 
-# Names the node-side trainer loads from secrets.env on nodes launch.sh does not run on.
+# The storage credentials' names (secrets.env).
 STORAGE_ENV_PREFIX = "AWS_"
 
 

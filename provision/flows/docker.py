@@ -7,9 +7,10 @@
   container, so there is nothing to do at run time.
 - `none`: the host's own Python (provider.python) with torch and DeepSpeed installed.
 
-Secrets never reach the docker command line or the image: launch.sh exports them (from its
-0600 secrets.env) and `docker run` gets `-e NAME` with the name only, so the docker client
-copies the value from its own environment. Only non-secret values (paths) are written out.
+Secrets never reach the docker command line, the container's config or the image: the run dir
+is mounted at the same path, and each rank reads its 0600 secrets.env there itself
+(trainer/secrets_file.py). `-e NAME` (the name only: docker copies the value from launch.sh's
+environment) carries the ranks' env; only non-secret values (paths) are written out.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ if TYPE_CHECKING:
     from provision.flows.render import BundleSpec
     from provision.transport.remote import Node
 
-# Credentials the trainer or the hub may need. A name the host does not have is not set in
-# the container (docker's `-e NAME` semantics), so passing the whole list is harmless.
+# Credentials the host itself may hold in its environment (the run's own arrive in secrets.env).
+# A name the host does not have is not set in the container (docker's `-e NAME` semantics).
 PASS_THROUGH = (
     "AWS_ACCESS_KEY_ID",
     "AWS_SECRET_ACCESS_KEY",
@@ -96,7 +97,7 @@ def remove_container(run: RunRecord, node: Node) -> None:
 def docker_run_for(cfg: GpuctlConfig, cluster: ClusterRecord, spec: BundleSpec) -> DockerRun:
     """The DockerRun of a run: image from the cluster record, env names from the bundle spec.
 
-    Call it after every secret is in spec.secrets (job.bundle_spec does, as its last step).
+    spec.secrets stay out of it: the ranks read them from the mounted run dir's secrets.env.
     """
     from provision.flows.render import rank_env
 
@@ -114,7 +115,7 @@ def docker_run_for(cfg: GpuctlConfig, cluster: ClusterRecord, spec: BundleSpec) 
         "HF_HOME": f"{cache}/huggingface",
         "TORCH_EXTENSIONS_DIR": f"{cache}/torch_extensions",
     }
-    names = set(rank_env(cfg, spec)) | set(spec.secrets) | set(PASS_THROUGH)
+    names = set(rank_env(cfg, spec)) | set(PASS_THROUGH)
     return DockerRun(
         image=cluster.image or DEFAULT_IMAGE,
         run_dir=spec.run_dir,

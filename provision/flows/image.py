@@ -1,11 +1,13 @@
-"""The trainer image on nodes that run it with docker: inspect, log in, ship.
+"""The trainer image on nodes that run it with docker: inspect, pull with a credential, ship.
 
 Building it here is provision/flows/build.py; its build context is provision/flows/context.py.
 
 How the image reaches a node (config `docker.ship`):
-  pull   the node pulls from the registry; a login, when GPUCTL_REGISTRY_USER and
-         GPUCTL_REGISTRY_PASSWORD are set, goes through `docker login --password-stdin`
-         (never argv) and is logged out again after the pull
+  pull   the node pulls from the registry; with GPUCTL_REGISTRY_USER and GPUCTL_REGISTRY_PASSWORD
+         set, the credential goes on stdin into that one `docker pull`'s environment, where a
+         throwaway credential helper in a temporary DOCKER_CONFIG hands it to docker: never argv,
+         never the node's disk (`docker login` would keep it in ~/.docker/config.json), and the
+         folder goes with the pull
   load   `docker save` here | SSH | `docker load` there, streamed, with a progress bar in bytes
   build  the build context (.dockerignore applied) streams as a tar into `docker build -` there
   auto   load when this machine has the image, else pull
@@ -16,6 +18,7 @@ The laptop's docker is whatever DOCKER_HOST / the default socket points at.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import tempfile
@@ -39,6 +42,7 @@ if TYPE_CHECKING:
 
 Say = Callable[[str], None]
 USER_ENV, PASSWORD_ENV = "GPUCTL_REGISTRY_USER", "GPUCTL_REGISTRY_PASSWORD"
+DOCKER_HUB = "https://index.docker.io/v1/"  # the server name docker asks a credential helper for
 CONTEXT_LABEL = "org.gpuctl.context-sha256"
 CHUNK = 1 << 20  # bytes per read of a `docker save` stream or a context tar
 DOCKER_FIX = "install Docker on the node and add the SSH user to the `docker` group"
@@ -76,7 +80,11 @@ def _docker(
         result = node.run(["docker", *args], check=False, stdin=stdin, timeout=timeout)
     except FileNotFoundError:
         raise GpuctlError("docker is not installed here", "install Docker (apt-get install docker.io)") from None
-    if check and result.rc != 0:
+    return _check(node, args, result) if check else result
+
+
+def _check(node: Node, args: list[str], result: CommandResult) -> CommandResult:
+    if result.rc != 0:
         detail = (result.stderr.strip() or result.stdout.strip())[-300:]
         fix = DOCKER_FIX if "permission denied" in detail.lower() or result.rc == 127 else None
         raise RemoteError(f"{node.label}: docker {args[0]} failed: {detail}", fix)
@@ -100,7 +108,8 @@ def credentials() -> tuple[str, str] | None:
 
 
 def login(node: Node, image: str) -> bool:
-    """Log node's docker in to the image's registry when credentials are set. True if it did."""
+    """Log node's docker in to the image's registry when credentials are set. True if it did. Only for
+    this machine's own engine (`image build --push`): a rented node's pull goes through pull()."""
     creds = credentials()
     if creds is None:
         return False
@@ -113,6 +122,41 @@ def login(node: Node, image: str) -> bool:
 def logout(node: Node, image: str) -> None:
     registry = registry_of(image)
     _docker(node, ["logout", *([registry] if registry else [])], check=False, timeout=60)
+
+
+# `docker pull IMAGE` with the registry credential (one JSON line on stdin) in docker's environment only:
+# DOCKER_CONFIG names a fresh 0700 folder whose config sends every registry to the helper beside it,
+# which prints the credential from the environment docker hands it. Nothing there holds the secret,
+# and the folder goes when the shell ends. (docker pull runs no login: a refused credential is the pull's error.)
+PULL_SCRIPT = r"""set -u
+dir=$(mktemp -d "${TMPDIR:-/tmp}/gpuctl-pull.XXXXXX") || exit 1
+trap 'rm -rf -- "$dir"' EXIT
+trap 'exit 129' HUP INT TERM
+IFS= read -r auth
+echo '{"credsStore": "gpuctl-once"}' > "$dir/config.json"
+cat > "$dir/docker-credential-gpuctl-once" <<'HELPER'
+#!/bin/sh
+case "$1" in
+  get) cat >/dev/null; printf '%s\n' "$GPUCTL_REGISTRY_AUTH" ;;
+  list) echo '{}' ;;
+esac
+HELPER
+chmod 700 "$dir/docker-credential-gpuctl-once"
+GPUCTL_REGISTRY_AUTH=$auth DOCKER_CONFIG=$dir PATH="$dir:$PATH" docker pull --quiet "$1"
+"""
+
+
+def pull(node: Node, image: str) -> None:
+    """docker pull on node; with registry credentials set, through PULL_SCRIPT (see there)."""
+    creds = credentials()
+    if creds is None:
+        _docker(node, ["pull", "--quiet", image], timeout=3600)
+        return
+    auth = json.dumps({"ServerURL": registry_of(image) or DOCKER_HUB, "Username": creds[0], "Secret": creds[1]})
+    result = node.run(
+        ["bash", "-c", PULL_SCRIPT, "gpuctl-pull", image], check=False, stdin=f"{auth}\n".encode(), timeout=3600
+    )
+    _check(node, ["pull"], result)
 
 
 # --- naming --------------------------------------------------------------------------------
@@ -158,12 +202,7 @@ def ship(
     if how == "pull":
         say(f"{node.label}: docker pull {image}")
         try:
-            logged_in = login(node, image)
-            try:
-                _docker(node, ["pull", "--quiet", image], timeout=3600)
-            finally:
-                if logged_in:
-                    logout(node, image)
+            pull(node, image)
         except RemoteError as exc:
             have = image_id(node, image)
             if have is None:

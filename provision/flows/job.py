@@ -88,7 +88,7 @@ def bundle_spec(
     if teardown:
         spec.secrets.update(teardown.env)
         spec.after_run.append(teardown.argv)
-    if cluster.runtime == "docker":  # last: the container gets every secret above by name
+    if cluster.runtime == "docker":  # the ranks in the container read secrets.env in the mounted run dir
         from provision.flows.docker import docker_run_for
 
         spec.launcher_prefix = docker_run_for(cfg, cluster, spec).argv()

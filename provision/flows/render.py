@@ -32,13 +32,11 @@ TEMPLATES = {
 RTX40_NCCL = {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
 # .deepspeed_env values are wrapped in double quotes by DeepSpeed, not escaped.
 UNSAFE_DS_ENV = re.compile(r'["$`\\\n]')
-# Multi-node secrets: DeepSpeed turns every .deepspeed_env line into `export K=V;` on the pdsh
-# command line (argv on every node) and logs that line (`cmd = ...`) into job.log, so secrets
-# cannot travel that way. Instead each node's copy of the bundle holds the 0600 secrets.env, and
-# DeepSpeed's --venv_script makes the remote shell source this script (which loads it) before it
-# starts that node's ranks; the trainer deletes it once all ranks are up (trainer.checkpoint
-# .drop_secrets_file). Only the script's path is on the command line.
-NODE_ENV = "node_env.sh"
+# Secrets (secrets.env, 0600) reach the ranks only through that file: each rank reads its node's
+# copy itself (trainer/secrets_file.py). Neither .deepspeed_env (DeepSpeed writes its lines onto
+# pdsh's command line and logs it) nor the launcher's environment (DeepSpeed copies MLFLOW*,
+# PYTHON*, MV2*, UCX*, NCCL* variables onto that line, and logs every *NCCL* one) may carry them.
+SECRETS_FILE = "secrets.env"
 
 
 @dataclass
@@ -126,8 +124,6 @@ def launcher_argv(spec: BundleSpec) -> list[str]:
         argv.append("--no_ssh_check")  # one host: DeepSpeed launches locally, no pdsh
     else:
         argv += ["--launcher", "pdsh"]
-        if spec.secrets:  # each node sources its own secrets.env (see NODE_ENV), not .deepspeed_env
-            argv += ["--venv_script", f"{spec.run_dir}/{NODE_ENV}"]
         if spec.ssh_config:  # gpuctl checked node-to-node SSH at `up`; DeepSpeed's check ignores -F
             argv.append("--no_ssh_check")
         elif spec.ssh_port:
@@ -216,12 +212,14 @@ def render_bundle(cfg: GpuctlConfig, spec: BundleSpec, out_dir: Path) -> Path:
     json.loads((out_dir / "ds_config.json").read_text())  # a broken override fails here, not on the node
     atomic_write(out_dir / "run.json", json.dumps(run_json(cfg, spec, data_rel), indent=2) + "\n")
     if spec.secrets:
-        lines = "".join(f"{k}={shlex.quote(v)}\n" for k, v in spec.secrets.items())
-        atomic_write(out_dir / "secrets.env", lines, 0o600)
-        if len(spec.nodes) > 1:
-            atomic_write(out_dir / NODE_ENV, _node_env_script(spec.run_dir), 0o644)
+        atomic_write(out_dir / SECRETS_FILE, secrets_text(spec.secrets), 0o600)
     _ship_trainer(out_dir / "lib" / "trainer")
     return out_dir
+
+
+def secrets_text(values: dict[str, str]) -> str:
+    """secrets.env: NAME='value' lines that bash's `.` and trainer/secrets_file.parse read alike."""
+    return "".join(f"{k}={shlex.quote(v)}\n" for k, v in values.items())
 
 
 def render_ds_config(cfg: GpuctlConfig, accelerator: str, world: int) -> dict[str, Any]:
@@ -239,17 +237,6 @@ def render_ds_config(cfg: GpuctlConfig, accelerator: str, world: int) -> dict[st
     )
     config: dict[str, Any] = json.loads(text)
     return config
-
-
-def _node_env_script(run_dir: str) -> str:
-    secrets = shlex.quote(f"{run_dir}/secrets.env")
-    return (
-        "# Sourced on every node by DeepSpeed's pdsh launcher (--venv_script) before it starts the\n"
-        "# node's ranks: they get the run's secrets (storage credentials) without any command line\n"
-        "# or log carrying them. The trainer deletes the file once every rank of every node is up\n"
-        "# (not here: run dirs on a shared filesystem are one file for all nodes).\n"
-        f"if [ -f {secrets} ]; then set -a; . {secrets}; set +a; export GPUCTL_SECRETS_FILE={secrets}; fi\n"
-    )
 
 
 def _ship_data(cfg: GpuctlConfig, out_dir: Path) -> str:

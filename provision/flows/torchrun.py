@@ -10,7 +10,7 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
-from provision.flows.render import NODE_ENV, BundleSpec
+from provision.flows.render import BundleSpec
 
 TEMPLATE = "torchrun.sh.j2"
 SCRIPT = "torchrun.sh"
@@ -25,7 +25,6 @@ def torchrun_context(spec: BundleSpec) -> dict[str, Any]:
         "torchrun": [*spec.launcher_prefix, spec.python, "-u", "-m", "torch.distributed.run"],
         "trainer_args": ["--module", "trainer", "run.json"],
         "master_addr": spec.master_addr,
-        "node_env": f"{spec.run_dir}/{NODE_ENV}" if len(spec.nodes) > 1 and spec.secrets else None,
         # the command each other node's shell runs (ssh appends the port)
         "remote": [shlex.join(["bash", script, "--node", str(rank)]) for rank in range(1, len(spec.nodes))],
     }
