@@ -10,7 +10,11 @@ missing or extra tensor is an error), and model + tokenizer are written with sav
 (safetensors), so AutoModelForCausalLM / AutoTokenizer.from_pretrained(OUT_DIR) load it
 offline. The checkpoint's trainer_state.json says which model it trained; --model must agree.
 
-Exit codes: 0 written, 2 a known problem (one line on stderr).
+The checkpoint came from a node, so nothing in it is unpickled freely (trainer/safe_load.py): every
+torch.load here is weights-only with DeepSpeed's few classes allowed, each shard is checked for other
+globals before any loads, and DCP's .metadata goes through a restricted unpickler.
+
+Exit codes: 0 written, 2 a known problem, 3 a checkpoint refused as unsafe (one line on stderr).
 """
 
 from __future__ import annotations
@@ -22,8 +26,11 @@ from pathlib import Path
 
 from trainer.checkpoint import STATE_FILE
 from trainer.config import TrainConfig, TrainerError
+from trainer.safe_load import UnsafeCheckpoint
 
 DTYPES = ("fp32", "bf16", "fp16")
+MAX_STATE = 1 << 20  # bytes of trainer_state.json (a few fields)
+MAX_SEQ_LEN = 1 << 20
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -41,10 +48,17 @@ def recorded_state(tag_dir: Path) -> dict:
     path = tag_dir / STATE_FILE
     if not tag_dir.is_dir():
         raise TrainerError(f"checkpoint {tag_dir} does not exist")
+    if not path.is_file():
+        return {}
+    with path.open("rb") as fh:
+        raw = fh.read(MAX_STATE + 1)
     try:
-        return json.loads(path.read_text()) if path.is_file() else {}
-    except json.JSONDecodeError:
-        raise TrainerError(f"{path} is not valid JSON") from None
+        state = json.loads(raw) if len(raw) <= MAX_STATE else None
+    except ValueError:  # not JSON, or not UTF-8
+        state = None
+    if not isinstance(state, dict):
+        raise TrainerError(f"{path} is not a JSON object of at most {MAX_STATE >> 20} MiB")
+    return state
 
 
 def log(message: str) -> None:
@@ -60,7 +74,15 @@ def train_config(args: argparse.Namespace, state: dict) -> TrainConfig:
     if recorded is not None and model != recorded:  # e.g. a node-local path vs the laptop's copy
         log(f"warning: checkpoint {args.tag} was trained from model {recorded!r}; building {model!r}")
     tokenizer = args.tokenizer if args.tokenizer is not None else state.get("tokenizer")
-    return TrainConfig(model=model, tokenizer=tokenizer, seq_len=int(state.get("seq_len", 128)))
+    seq_len = state.get("seq_len", 128)
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 0 < seq_len <= MAX_SEQ_LEN:
+        raise TrainerError(
+            f"checkpoint {args.tag}: seq_len {str(seq_len)[:40]!r} is not an integer in 1..{MAX_SEQ_LEN}"
+        )
+    for what, value in (("model", model), ("tokenizer", tokenizer)):
+        if value is not None and not isinstance(value, str):
+            raise TrainerError(f"checkpoint {args.tag}: its {what} is {type(value).__name__}, not text; pass --{what}")
+    return TrainConfig(model=model, tokenizer=tokenizer, seq_len=seq_len)
 
 
 def build(train: TrainConfig, tokenizer):
@@ -90,8 +112,10 @@ def export(args: argparse.Namespace) -> Path:
     import torch
 
     from trainer.fsdp_export import is_dcp_checkpoint, load_dcp_weights
+    from trainer.safe_load import guard_torch_load
     from trainer.tokenizer import load_tokenizer
 
+    guard_torch_load()  # before anything reads the checkpoint
     state = recorded_state(args.ckpt_root / args.tag)
     train = train_config(args, state)
     tokenizer = load_tokenizer(train)
@@ -101,10 +125,8 @@ def export(args: argparse.Namespace) -> Path:
         log(f"consolidating the FSDP (DCP) shards of {args.tag} (saved by {state.get('world_size', '?')} ranks)")
         load_dcp_weights(model, tag_dir, args.tag, train.model)
     else:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
         log(f"merging the ZeRO shards of {args.tag} (saved by {state.get('world_size', '?')} ranks)")
-        weights = get_fp32_state_dict_from_zero_checkpoint(str(args.ckpt_root), tag=args.tag)
+        weights = merge_zero_shards(args.ckpt_root, args.tag)
         try:
             model.load_state_dict(weights, strict=True)
         except RuntimeError as exc:
@@ -129,13 +151,34 @@ def export(args: argparse.Namespace) -> Path:
     return args.out_dir
 
 
+def merge_zero_shards(ckpt_root: Path, tag: str) -> dict:
+    """zero_to_fp32's state dict; its torch.loads are weights-only (guard_torch_load), and each shard
+    is checked first so a refusal names the file."""
+    import pickle
+    import re
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from trainer.safe_load import check_torch_files, refusal
+
+    check_torch_files(ckpt_root / tag, tag)
+    try:
+        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_root), tag=tag)
+    except pickle.UnpicklingError as exc:  # what the check could not see, the weights-only load refused
+        found = re.search(r"GLOBAL (\S+) was not an allowed global", str(exc))
+        raise refusal(tag, "a shard", found.group(1) if found else "unknown") from None
+    except (FileNotFoundError, ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise TrainerError(f"checkpoint {tag}: zero_to_fp32 cannot merge it: {first}") from None
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
         export(args)
     except TrainerError as exc:
         print(f"export: error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return 3 if isinstance(exc, UnsafeCheckpoint) else 2
     return 0
 
 

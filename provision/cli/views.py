@@ -113,6 +113,7 @@ def print_offers(offers: list[Offer], title: str) -> None:
 def print_checkpoints(infos: list[CheckpointInfo], latest: CheckpointInfo | None) -> None:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     table = Table("tag", "step", "size", "complete", "time", "ranks")
     for i in infos:
@@ -122,11 +123,15 @@ def print_checkpoints(infos: list[CheckpointInfo], latest: CheckpointInfo | None
             i.tag + mark,
             str(i.step),
             f"{i.size / 1e6:,.1f} MB",
-            "yes" if i.complete else "no",
+            "REFUSED" if i.problem else "yes" if i.complete else "no",
             when,
             str(i.world_size or "-"),
         )
-    Console().print(table if infos else "no checkpoints yet")
+    console = Console()
+    console.print(table if infos else "no checkpoints yet")
+    for i in infos:
+        if i.problem:  # the manifest's own text is quoted in it (repr): no markup, no control bytes
+            console.print(Text(f"{i.tag}: refused, never pulled: {i.problem}"), soft_wrap=True)
 
 
 def plan_table(result: PlanResult) -> RenderableType:

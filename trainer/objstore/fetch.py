@@ -8,6 +8,7 @@ size and sha256 match (the backend hashes the bytes as it writes them: no second
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -28,12 +29,33 @@ if TYPE_CHECKING:
     from trainer.objstore.s3 import S3Backend
 
 
+def temp_name(local: Path, rel: str) -> Path:
+    """Where a file lands before it is checked: hidden, this process's, short (a 255-byte name plus
+    a prefix would pass NAME_MAX). The pid: two nodes on a shared file system (NFS) may fetch into
+    one folder at once."""
+    return local.with_name(f".tmp-{os.getpid()}-{hashlib.sha256(rel.encode()).hexdigest()[:24]}")
+
+
 def fetch_tag(backend: FileBackend | S3Backend, info: CheckpointInfo, dest: Path, progress: ProgressFn | None) -> None:
     """Download checkpoint ``info`` into dest/<tag>; VerificationError / StorageNotFound when a
-    file is missing or wrong (a tag folder this call created is removed again)."""
+    file is missing or wrong: the folder this call created (dest, or dest/<tag>) is removed again.
+    Any other failure removes it only while empty: files already checked stay for the next pull."""
     tag_dir = dest / info.tag
     inside(dest, [tag_dir / f.path for f in info.files])  # before anything is written
-    created = not tag_dir.exists()
+    created = None if tag_dir.exists() else tag_dir if dest.exists() else dest
+    try:
+        _fetch(backend, info, tag_dir, progress)
+    except (VerificationError, StorageNotFound):
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+    except BaseException:  # e.g. Ctrl-C, a full disk
+        if created is not None and not any(p.is_file() for p in created.rglob("*")):
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+
+
+def _fetch(backend: FileBackend | S3Backend, info: CheckpointInfo, tag_dir: Path, progress: ProgressFn | None) -> None:
     remote = backend.list(f"{info.tag}/")
     for f in info.files:
         st = remote.get(f"{info.tag}/{f.path}")
@@ -46,8 +68,7 @@ def fetch_tag(backend: FileBackend | S3Backend, info: CheckpointInfo, dest: Path
         local = tag_dir / f.path
         if local.is_file() and local.stat().st_size == f.size and sha256_file(local) == f.sha256:
             continue  # already here (a resumed pull)
-        # the pid: two nodes on a shared file system (NFS) may fetch into one folder at once
-        todo.append(DownloadItem(f"{info.tag}/{f.path}", local.with_name(f".tmp-{os.getpid()}-{local.name}"), f.size))
+        todo.append(DownloadItem(f"{info.tag}/{f.path}", temp_name(local, f.path), f.size))
     prog = Progress(progress, sum(i.size for i in todo))
     try:
         written = backend.download_files(todo, prog)  # each file's sha256, hashed as it arrived
@@ -58,10 +79,6 @@ def fetch_tag(backend: FileBackend | S3Backend, info: CheckpointInfo, dest: Path
             if size != f.size or written.get(item.key) != f.sha256:
                 raise VerificationError(f"shard {f.path} does not match its sha256")
             os.replace(item.dest, tag_dir / f.path)
-    except (VerificationError, StorageNotFound):
-        if created:
-            shutil.rmtree(tag_dir, ignore_errors=True)
-        raise
     finally:
         for item in todo:
             item.dest.unlink(missing_ok=True)

@@ -47,7 +47,8 @@ TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 STEP_RE = re.compile(r"(\d+)$")
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 MD5_RE = re.compile(r"^[0-9a-f]{32}$")
-MAX_PATH = 1024  # bytes of one relative path (Linux: 4096 for a whole path, 255 a name)
+MAX_PATH = 1024  # bytes of one relative path (Linux: 4096 for a whole path)
+NAME_MAX = 255  # bytes of one file or folder name (Linux, macOS)
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class CheckpointInfo:
     size: int  # bytes: manifest total, or what is stored so far
     time: float  # epoch: manifest time, or the newest object's mtime
     files: list[FileEntry] = field(default_factory=list)
+    problem: str | None = None  # why its manifest was refused (then listed as incomplete, never pulled)
 
 
 def check_tag(tag: str) -> str:
@@ -79,11 +81,15 @@ def safe_relpath(rel: object) -> str:
     """Reject manifest paths that would escape the destination directory."""
     if not isinstance(rel, str):
         raise UnsafeManifest(f"a path in the manifest is {type(rel).__name__}, not text")
+    try:  # JSON can hold a lone surrogate ("\\ud800"), which no file system takes
+        encoded = rel.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UnsafeManifest(f"path {rel[:200]!r} in manifest is not valid Unicode (a lone surrogate)") from None
     parts = rel.split("/")
     if (
         not rel
-        or len(rel.encode("utf-8", "surrogatepass")) > MAX_PATH
-        or any(p in ("", ".", "..") or len(p) > 255 for p in parts)
+        or len(encoded) > MAX_PATH
+        or any(p in ("", ".", "..") or len(p.encode()) > NAME_MAX for p in parts)
         or any(ord(c) < 32 or c == "\x7f" for c in rel)
     ):
         raise UnsafeManifest(f"unsafe path {rel[:200]!r} in manifest")
@@ -137,6 +143,16 @@ def manifest_info(m: object, tag: str, where: str) -> CheckpointInfo:
         )
     except (UnsafeManifest, InvalidTag) as exc:
         raise UnsafeManifest(f"{where}: {exc}") from None
+
+
+def file_record(size: int, sha256: str, composite: str | None, md5: str | None) -> dict[str, Any]:
+    """A node marker's entry for one file (the layout above)."""
+    rec: dict[str, Any] = {"size": size, "sha256": sha256}
+    if composite is not None:
+        rec["s3_sha256"] = composite
+    if md5 is not None:
+        rec["md5"] = md5
+    return rec
 
 
 def marker_files(marker: object, where: str) -> dict[str, dict[str, Any]]:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainer.objstore.atomic import atomic_write
-from trainer.objstore.backends import ProgressFn, StorageNotFound, VerificationError
+from trainer.objstore.backends import ProgressFn, StorageNotFound, UnsafeManifest, VerificationError
 from trainer.objstore.fetch import fetch_tag
 from trainer.objstore.layout import LATEST, MANIFEST, CheckpointInfo, check_tag, step_from_tag
 
@@ -47,9 +47,13 @@ def download(store: CheckpointStore, tag: str | None, dest: Path, progress: Prog
     """Download ``tag`` (None: the latest complete) into ``dest/<tag>`` and write
     ``dest/latest``. Falls back to older complete checkpoints if it fails verification."""
     dest = Path(dest)
+    infos = store.list()
     if tag is not None:
         check_tag(tag)
-    complete = [i for i in store.list() if i.complete]
+        refused = next((i for i in infos if i.tag == tag and i.problem), None)
+        if refused is not None and refused.problem:  # asked for by name: say why, no fallback
+            raise UnsafeManifest(refused.problem)
+    complete = [i for i in infos if i.complete]
     if tag is None:
         first = store.latest()
         if first is None:

@@ -59,6 +59,7 @@ from trainer.objstore.layout import (
     FileEntry,
     check_tag,
     dumps,
+    file_record,
     local_files,
     manifest_info,
     marker_files,
@@ -69,17 +70,6 @@ from trainer.objstore.retention import download, prune
 from trainer.objstore.s3 import S3Backend, S3Options
 
 _log = logging.getLogger("gpuctl.objstore")
-
-
-# --------------------------------------------------------------------------- store
-def _file_record(size: int, sha256: str, composite: str | None, md5: str | None) -> dict[str, Any]:
-    """A node marker's entry for one file (layout.py)."""
-    rec: dict[str, Any] = {"size": size, "sha256": sha256}
-    if composite is not None:
-        rec["s3_sha256"] = composite
-    if md5 is not None:
-        rec["md5"] = md5
-    return rec
 
 
 class CheckpointStore:
@@ -184,14 +174,20 @@ class CheckpointStore:
 
     def list(self) -> builtins.list[CheckpointInfo]:
         """All checkpoints, complete and incomplete, newest (highest step, then time) first: a
-        complete one from its manifest, only an incomplete one from the listing of its objects."""
+        complete one from its manifest, only an incomplete one from the listing of its objects. A
+        manifest that fails its checks is listed as incomplete, with the reason in ``problem``."""
         infos = []
         for tag in self.backend.folders():
             if not TAG_RE.match(tag) or tag in (LATEST, NODES_DIR):  # not a checkpoint gpuctl writes
                 continue
             manifest = self.read_json(f"{tag}/{MANIFEST}")
             if manifest:
-                infos.append(self._info_from_manifest(manifest, tag))
+                try:
+                    infos.append(self._info_from_manifest(manifest, tag))
+                except UnsafeManifest as exc:  # one hostile manifest must not hide the others
+                    refused = self._incomplete_info(tag, self.backend.list(f"{tag}/"))
+                    refused.problem = str(exc)
+                    infos.append(refused)
             elif objs := self.backend.list(f"{tag}/"):
                 infos.append(self._incomplete_info(tag, objs))
         infos.sort(key=lambda i: (i.step, i.time), reverse=True)
@@ -265,7 +261,7 @@ class CheckpointStore:
         }
 
         new_files = {
-            rel: _file_record(sizes[rel], hashes[rel], None if rel in by_etag else composites.get(rel), md5s.get(rel))
+            rel: file_record(sizes[rel], hashes[rel], None if rel in by_etag else composites.get(rel), md5s.get(rel))
             for rel in stored
         }
         if not todo and marker and recorded == new_files and is_current(self, marker):
@@ -279,7 +275,7 @@ class CheckpointStore:
         prog.finish()
         for rel, it in todo.items():
             got = sent[it.key]
-            new_files[rel] = _file_record(it.size, got.sha256, got.composite, got.md5)
+            new_files[rel] = file_record(it.size, got.sha256, got.composite, got.md5)
         if self.backend.keeps_checksums is False:  # publish then compares listed ETags, no read-back
             no_md5 = {rel: local[rel] for rel, rec in new_files.items() if "md5" not in rec}
             for rel, md5 in md5_files(no_md5).items():
