@@ -262,9 +262,12 @@ class CloudBackend(ProviderBackend):
 
     def down(self, cluster: ClusterRecord, say: Callable[[str], None]) -> None:
         ids = [n.instance_id for n in cluster.nodes if n.instance_id]
-        ids += self.unrecorded(cluster, ids, say)
-        for instance_id in ids:
+        for instance_id in ids:  # what the record lists goes first, even if the vendor's list then fails
             self.terminate(cluster, instance_id)
+        extra = self.unrecorded(cluster, ids, say)
+        for instance_id in extra:
+            self.terminate(cluster, instance_id)
+        ids += extra
         self.wait_gone(cluster, ids)
         self.release(cluster, say)
         self.forget_local(cluster)
