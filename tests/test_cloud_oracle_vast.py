@@ -114,7 +114,8 @@ def test_create_instance_and_attach_key(fake, official, prov):
     fake.offers[0]["rented"] = False  # the same offer again, for gpuctl
     start = len(fake.calls)
     offer = Offer(id="1001", gpu_name="RTX 4090", num_gpus=3, price_per_hour=1.05)
-    vast.BACKEND.launch(prov, cluster, label, offer, KEY_LINE)
+    instance_id = vast.BACKEND.launch(prov, cluster, label, offer, KEY_LINE)  # the create alone (its id is recorded)
+    vast.BACKEND.attach(cluster, instance_id, KEY_LINE)  # then the key
     our_create, our_key = sent(fake, start)
     assert (our_create.method, our_create.path) == (their_create.method, their_create.path)
     problems = differences("create instance", our_create.body, their_create.body, client="vastai")

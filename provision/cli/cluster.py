@@ -1,4 +1,4 @@
-"""Cluster commands: init, up, offers, down, ssh, forget-host, run (up + train + down)."""
+"""Cluster commands: init, up, offers, down, sweep, ssh, forget-host, run (up + train + down)."""
 
 from __future__ import annotations
 
@@ -93,6 +93,50 @@ def down(config: ConfigOpt = None, yes: YesOpt = False, cluster: ClusterOpt = No
     clusters.down(name, say)
 
 
+@app.command()
+def sweep(
+    config: ConfigOpt = None,
+    yes: YesOpt = False,
+    as_json: JsonOpt = False,
+    provider: Annotated[
+        Optional[list[str]], typer.Option("--provider", help="look at this vendor only (vast, runpod, aws; repeatable)")
+    ] = None,
+) -> None:
+    """Find instances labelled as gpuctl's that no cluster record owns, on every configured vendor
+    account, with their $/h; offer to terminate them (--yes: without asking; --json: list them)."""
+    from provision.cli.options import load_if_present
+    from provision.core.errors import ConfigError, ProviderError
+    from provision.flows import sweep as sweeping
+
+    unknown = sorted(set(provider or []) - set(sweeping.KINDS))
+    if unknown:
+        raise ConfigError(f"--provider {unknown[0]} is not one of {', '.join(sweeping.KINDS)}", "fix --provider")
+    found = sweeping.find(load_if_present(config), provider)
+    if not as_json:
+        from provision.cli.views import print_sweep
+
+        print_sweep(found)
+    terminated: list[str] = []
+    question = f"terminate {len(found.strays)} instance(s) (${found.price_per_hour:.3f}/h)?"
+    if found.strays and (yes or (not as_json and confirmer(False)(question))):
+        terminated = sweeping.terminate(found, say)
+    if as_json:
+        doc = {
+            "checked": found.checked,
+            "strays": [s.to_json() for s in found.strays],
+            "price_per_hour": round(found.price_per_hour, 4),
+            "terminated": terminated,
+            "skipped": found.skipped,
+            "errors": found.errors,
+        }
+        typer.echo(json.dumps(doc, indent=2))
+    if found.errors:
+        raise ProviderError(f"sweep: {found.errors[0]}", "fix that account's credentials or endpoint, then rerun")
+    if found.strays and not yes and not terminated and not as_json:
+        say("nothing terminated")
+        raise typer.Exit(1)
+
+
 @app.command(context_settings={"allow_interspersed_args": False})
 def ssh(
     command: Annotated[
@@ -130,10 +174,11 @@ def forget_host(host: Annotated[str, typer.Argument(help="host, host:port or use
 
 @app.command("run")
 def run_all(config: ConfigOpt = None, yes: YesOpt = False) -> None:
-    """up + train + down in one: the cluster goes away whatever the run's result."""
+    """up + train + down in one: the cluster goes away whatever the run's result, a failed `up` included."""
     from provision.cli.jobs import follow_to_end
     from provision.core import interrupt
     from provision.core.checks import ChecksFailed
+    from provision.core.errors import ClusterBusy
     from provision.flows import cluster, job
     from provision.providers.base import UpOptions
 
@@ -144,7 +189,12 @@ def run_all(config: ConfigOpt = None, yes: YesOpt = False) -> None:
         from provision.cli.doctor_view import print_checks
 
         print_checks(exc.result, only_failing=True)
-        cluster.down(cfg.cluster_name, say)
+        _down_after_failure(cfg.cluster_name)
+        raise
+    except (KeyboardInterrupt, ClusterBusy):  # up answered it / another gpuctl's cluster: not ours to take
+        raise
+    except BaseException:  # up terminated what it created; whatever it left recorded goes too
+        _down_after_failure(cfg.cluster_name)
         raise
     assert record is not None  # up returns None only on a dry run
     code = 1
@@ -159,3 +209,17 @@ def run_all(config: ConfigOpt = None, yes: YesOpt = False) -> None:
         if code != 130:  # detached by Ctrl-C: the run goes on, so does its cluster
             cluster.down(cfg.cluster_name, say)
     raise typer.Exit(code)
+
+
+def _down_after_failure(name: str) -> None:
+    """`run` failed before its run started: down the cluster if it is recorded. A `down` that fails
+    too is one more line; the first failure is the one `run` exits with."""
+    from provision.core import state
+    from provision.core.errors import GpuctlError
+    from provision.flows import cluster
+
+    try:
+        if state.find_cluster(name) is not None:
+            cluster.down(name, say)
+    except GpuctlError as exc:
+        say(f"error: could not take cluster {name} down: {exc.one_line()}; run `gpuctl down`")

@@ -22,8 +22,12 @@ ClusterOpt = Annotated[Optional[str], typer.Option(help="cluster name (default: 
 
 
 def say(text: str) -> None:
-    """Progress and messages go to stderr; stdout is for what scripts read."""
-    typer.echo(text, err=True)
+    """Progress and messages go to stderr; stdout is for what scripts read. A terminal that is
+    gone (SIGHUP: the window closed) drops the line instead of stopping the clean-up that says it."""
+    try:
+        typer.echo(text, err=True)
+    except OSError:
+        pass
 
 
 def confirmer(assume_yes: bool) -> Callable[[str], bool]:

@@ -9,6 +9,7 @@ if TYPE_CHECKING:
     from rich.console import RenderableType
 
     from provision.estimate.plan import PlanResult
+    from provision.flows.sweep import Sweep
     from provision.providers.base import Offer
     from trainer.objstore.layout import CheckpointInfo
 
@@ -51,6 +52,12 @@ def print_status(info: dict[str, Any]) -> None:
                 _address(cluster["provider"], node),
             )
         console.print(table)
+        if cluster.get("creating"):
+            console.print(
+                "not up yet: an `up` is creating it, or was stopped before it finished "
+                "(`gpuctl up` replaces it, `gpuctl down` removes it)",
+                highlight=False,
+            )
         if cluster.get("price_per_hour"):
             hours = (time.time() - cluster["created_at"]) / 3600
             spent = cluster.get("spent_cost") or 0.0  # earlier clusters of a recovered run
@@ -85,6 +92,30 @@ def print_status(info: dict[str, Any]) -> None:
             f"cost so far ${event.get('cost_so_far', 0):.2f}",
             highlight=False,
         )
+
+
+def print_sweep(found: Sweep) -> None:
+    """`gpuctl sweep`'s findings: one row per stray instance, what it costs, what was left alone."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console, notes = Console(), Console(stderr=True)
+    for line in [*found.skipped, *(f"error: {e}" for e in found.errors)]:
+        notes.print(line, highlight=False, markup=False)
+    where = ", ".join(found.checked) or "no account"
+    if not found.strays:
+        console.print(f"no stray gpuctl instance on {where}", highlight=False, markup=False)
+        return
+    table = Table(
+        "provider", "instance", "cluster", "state", "$/h", "why", title=f"gpuctl instances no record owns ({where})"
+    )
+    for s in found.strays:
+        price = s.instance.price_per_hour
+        table.add_row(
+            s.kind, s.instance.id, s.account.name, s.instance.state, f"{price:.3f}" if price is not None else "?", s.why
+        )
+    console.print(table)
+    console.print(f"total ${found.price_per_hour:.3f}/h", highlight=False)
 
 
 def print_offers(offers: list[Offer], title: str) -> None:

@@ -1,5 +1,12 @@
 """Ctrl-C while gpuctl holds paid resources: a press is recorded, not only raised.
 
+SIGTERM (a `kill`, a supervisor stopping gpuctl) and SIGHUP (the terminal closed) are answered
+as Ctrl-C is: each counts as a press, so an interrupted `up` terminates what it created and
+`train` detaches instead of the process dying with an instance nobody records. A signal that
+was ignored when gpuctl started (`nohup gpuctl up`) stays ignored. SIGKILL cannot be answered:
+`up` records its intent before each vendor call that creates (core/state.py), so `gpuctl down`
+finds what a killed `up` left.
+
 CPython raises KeyboardInterrupt in whatever Python code runs when SIGINT arrives. When that
 code is a finalizer or a weakref callback, CPython prints "Exception ignored ..." and the
 press is gone. Such code runs all the time: importlib runs a weakref callback for every module
@@ -37,7 +44,7 @@ from types import FrameType
 
 @dataclass
 class _Presses:
-    total: int = 0  # every SIGINT since install()
+    total: int = 0  # every SIGINT, SIGTERM and SIGHUP since install()
     pending: bool = False  # one was raised (or swallowed) and nothing answered it yet
     shields: int = 0  # shielded() depth
     guards: int = 0  # guarded() depth
@@ -56,6 +63,9 @@ class Shield:
         return _STATE.total - self.start
 
 
+ANSWERED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 def _on_sigint(_signum: int, _frame: FrameType | None) -> None:
     _STATE.total += 1
     if _STATE.shields or (_STATE.pending and _STATE.guards):
@@ -65,9 +75,13 @@ def _on_sigint(_signum: int, _frame: FrameType | None) -> None:
 
 
 def install() -> None:
-    """Route SIGINT through the recording handler (the main thread only, where Python runs handlers)."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, _on_sigint)
+    """Route SIGINT, SIGTERM and SIGHUP through the recording handler (the main thread only, where
+    Python runs handlers); one ignored at start (nohup) stays ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in ANSWERED:
+        if signum == signal.SIGINT or signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, _on_sigint)
 
 
 def check() -> None:

@@ -41,6 +41,9 @@ class NodeRecord(BaseModel):
     accelerator: str = "cpu"  # cpu | cuda
     gpu_name: str | None = None
     instance_id: str | None = None
+    # The vendor label (Vast label, RunPod name, AWS Name tag) the instance is created under,
+    # recorded before the create call: a create whose answer never arrived is found by it.
+    label: str | None = None
     host_id: str | None = None  # the vendor's machine behind the instance (recovery avoids a lost one)
     price_per_hour: float | None = None  # this node's share of the cluster's $/h (cloud)
     workdir: str = ""  # the node-side root for run dirs
@@ -66,6 +69,10 @@ class ClusterRecord(BaseModel):
     # Earlier clusters of a recovered run (flows/recover.py): the budget cap counts across them.
     spent_hours: float = 0.0
     spent_cost: float = 0.0
+    # A cloud `up` saves its intent (nodes with their labels) before creating anything and clears
+    # this once the cluster is up: a record still creating, with no `up` running, is what a killed
+    # `up` left behind; `gpuctl down` (or `sweep`) terminates it, the next `up` replaces it.
+    creating: bool = False
 
     @property
     def world_size(self) -> int:
@@ -210,6 +217,27 @@ def delete_cluster(name: str) -> None:
 def list_clusters() -> list[ClusterRecord]:
     folder = state_dir() / "clusters"
     return [_read(p, ClusterRecord) for p in sorted(folder.glob("*.json"))]
+
+
+def scan_clusters() -> tuple[list[ClusterRecord], list[str]]:
+    """Every readable cluster record, and the names of the damaged ones (one bad file must not
+    stop a look over the others, as `gpuctl sweep` takes)."""
+    records, damaged = [], []
+    for path in sorted((state_dir() / "clusters").glob("*.json")):
+        try:
+            records.append(_read(path, ClusterRecord))
+        except (StateError, OSError, UnicodeDecodeError):
+            damaged.append(path.stem)
+    return records, damaged
+
+
+def cluster_busy(name: str) -> bool:
+    """An `up` or `down` of the cluster is running now (its lock is held by a live process)."""
+    try:
+        with cluster_lock(name, "sweep"):
+            return False
+    except ClusterBusy:
+        return True
 
 
 def list_runs(cluster: str | None = None) -> list[RunRecord]:

@@ -23,7 +23,13 @@ def up(cfg: GpuctlConfig, opts: UpOptions) -> state.ClusterRecord | None:
 
 def _up(cfg: GpuctlConfig, opts: UpOptions) -> state.ClusterRecord | None:
     existing = state.find_cluster(cfg.cluster_name)
-    if existing is not None:
+    if existing is not None and existing.creating:
+        # We hold the cluster's lock: the `up` that recorded this is gone (killed before it finished).
+        what = "`up` removes what it created first" if opts.dry_run else "removing what it created"
+        opts.say(f"an earlier `up` of cluster {existing.name} was stopped before it finished: {what}")
+        if not opts.dry_run:
+            _down_cluster(existing, opts.say, STOP_GRACE_S)
+    elif existing is not None:
         opts.say(f"cluster {existing.name} is already up ({existing.world_size} ranks)")
         return existing
     check_batch(cfg.train, planned(cfg).world_size)  # before anything is created
@@ -31,8 +37,19 @@ def _up(cfg: GpuctlConfig, opts: UpOptions) -> state.ClusterRecord | None:
     record = provider.up(cfg, opts)
     if record is None:
         return None
+    _finish_up(cfg, record, provider, opts)
+    return record
+
+
+def _finish_up(cfg: GpuctlConfig, record: state.ClusterRecord, provider: ProviderBackend, opts: UpOptions) -> None:
+    """Record the cluster, start its guard, ship its image, run the quick checks. Until this returns,
+    a failure or a Ctrl-C (SIGTERM, SIGHUP) leaves nothing rented behind; only failing quick checks
+    keep the cluster (by design: fix the node and `gpuctl doctor`, or `gpuctl down`)."""
+    from provision.core.checks import ChecksFailed
+
     try:
         check_batch(cfg.train, record.world_size)
+        record.creating = False
         state.save_cluster(record)
         if record.budget_hours:
             _start_guard(record, provider, opts)
@@ -49,11 +66,15 @@ def _up(cfg: GpuctlConfig, opts: UpOptions) -> state.ClusterRecord | None:
         if opts.doctor:  # before `train` would start: a node that cannot run the job stops here
             _quick_checks(cfg, record, opts)
         interrupt.check()  # a Ctrl-C that a finalizer swallowed on the way still undoes `up`
-    except KeyboardInterrupt:  # until `up` returns, a Ctrl-C leaves nothing rented behind
+    except ChecksFailed:
+        raise
+    except KeyboardInterrupt:
         if not provider.undo_up(record, opts.say):
             opts.say(f"interrupted: cluster {record.name} stays up; `gpuctl down` disconnects it")
         raise
-    return record
+    except BaseException as exc:  # an image that does not pull, a guard that does not start, a bug
+        provider.undo_up(record, opts.say, exc)
+        raise
 
 
 def _quick_checks(cfg: GpuctlConfig, record: state.ClusterRecord, opts: UpOptions) -> None:
@@ -74,10 +95,8 @@ def _start_guard(record: state.ClusterRecord, provider: ProviderBackend, opts: U
     nodes = provider.nodes(record)
     try:
         guard.start(record, provider, nodes, opts.say)
-    except BaseException:  # Ctrl-C included: an unguarded paid node must not be left running
+    except BaseException:  # Ctrl-C included: _finish_up terminates the unguarded cluster
         opts.say("the budget guard did not start: terminating the new cluster")
-        provider.down(record, opts.say)
-        state.delete_cluster(record.name)
         raise
     finally:
         for node in nodes:

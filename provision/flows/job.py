@@ -108,6 +108,11 @@ def start_run(
 
     run_id and seed_files (run-dir files shipped with the bundle): a recovered run keeps its id
     and its metrics.jsonl (flows/recover.py)."""
+    if cluster.creating:
+        raise GpuctlError(
+            f"cluster {cluster.name} is not up: an `up` is creating it or was stopped before it finished",
+            "wait for that `gpuctl up`, or run `gpuctl up` again (it replaces a stopped one); `gpuctl down` removes it",
+        )
     batch = check_batch(cfg.train, cluster.world_size)
     check_resume(cfg, cluster, resume, say)
     run_id = run_id or new_run_id()
@@ -118,11 +123,13 @@ def start_run(
             "cannot refresh them, so uploads fail once they expire (use long-lived keys for long runs)"
         )
     spec = bundle_spec(cfg, cluster, run_id, resume, credentials=credentials, secrets_env=user_secrets(cfg.secrets))
-    bundle = render_bundle(cfg, spec, state.state_dir() / "runs" / run_id)
-    for name, text in (seed_files or {}).items():
-        atomic_write(bundle / name, text)
-    nodes = backend(cluster.provider).nodes(cluster)
-    try:
+    bundle = state.state_dir() / "runs" / run_id
+    nodes: list[Node] = []
+    try:  # from the first byte of secrets.env: a Ctrl-C, SIGTERM or SIGHUP (core/interrupt.py) still removes it
+        render_bundle(cfg, spec, bundle)
+        for name, text in (seed_files or {}).items():
+            atomic_write(bundle / name, text)
+        nodes = backend(cluster.provider).nodes(cluster)
         if cluster.runtime == "docker":  # a no-op (an ID check) when `up` shipped it already
             from provision.flows.image import ship_cluster
 

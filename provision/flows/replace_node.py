@@ -13,7 +13,6 @@ replaces the whole cluster, as for a single node.
 
 from __future__ import annotations
 
-import secrets
 import shlex
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from provision.core.config import GpuctlConfig
 from provision.core.errors import GpuctlError, RemoteError
 from provision.core.provider_config import CloudProvider
 from provision.providers.cloud import CloudBackend, budget_hours, describe_offer
+from provision.providers.labels import new_labels
 
 # Kill every process whose working directory is the run dir: the ranks a lost peer left behind
 # (pdsh started them from the first node; with that node gone nothing else owns them).
@@ -72,22 +72,24 @@ def replace_lost_nodes(
         say(f"no {provider.kind} offer for a replacement node: replacing the whole cluster")
         return None
     record = cluster.model_copy(deep=True)
-    attempt = secrets.token_hex(3)
     created: list[str] = []
-    labels = [f"gpuctl-{record.name}-{i}-{attempt}" for i in lost]
+    labels = new_labels(record.name, lost)
     _private, public_key = _keypair(record.name)
     new_price = 0.0
     try:
         for i, label in zip(lost, labels, strict=True):
             pick = provider.picks(offers, 1)[0]
             say(f"replacing node {i}: {describe_offer(pick)}")
+            node = record.nodes[i]
+            node.instance_id, node.label, node.address = None, label, ""
+            state.save_cluster(record)  # the intent: `gpuctl down` finds the create by its label if this dies
             instance_id = provider.launch(prov, record, label, pick, public_key)
             created.append(instance_id)
-            node = record.nodes[i]
-            node.instance_id, node.host_id, node.address = instance_id, pick.host or None, ""
+            node.instance_id, node.host_id = instance_id, pick.host or None
             node.slots, node.gpu_name, node.price_per_hour = pick.num_gpus, pick.gpu_name, pick.price_per_hour
             new_price += pick.price_per_hour
-            state.save_cluster(record)  # `gpuctl down` finds the new instance even if this process dies now
+            state.save_cluster(record)  # the id, as soon as the vendor answered
+            provider.attach(record, instance_id, public_key)
             deadline = time.monotonic() + prov.ready_timeout
             provider.wait_ready(prov, record, node, deadline, say)
             provider.check_not_excluded(record, node, exclude)

@@ -152,7 +152,12 @@ class UpAbort:
                 f"look for labels gpuctl-{self.cluster.name}-* in the {self.kind} console"
             )
             return []
-        return [i.id for i in listed if i.label in labels and i.id not in created]
+        found = [i for i in listed if i.label in labels and i.id not in created]
+        for inst in found:  # its planned node gets the id (what `down` is then told to terminate)
+            for node in self.cluster.nodes:
+                if node.label == inst.label and not node.instance_id:
+                    node.instance_id = inst.id
+        return [i.id for i in found]
 
     def _terminate_all(self, ids: list[str], calls: BoundedCalls) -> list[str]:
         """Send a terminate for each id, all at once; returns the ids whose call failed."""

@@ -37,6 +37,7 @@ from provision.providers import aws_network as network
 from provision.providers.aws_network import ignoring
 from provision.providers.base import Offer, SelfTeardown
 from provision.providers.cloud import CloudBackend, Instance
+from provision.providers.labels import cluster_of
 
 TAG = "gpuctl-cluster"
 USER_TAG = "gpuctl-user"
@@ -266,6 +267,7 @@ class AWSBackend(CloudBackend):
             user=tags.get(USER_TAG, "ubuntu"),
             label=tags.get("Name", ""),
             private_address=private,
+            price_per_hour=PRICES.get(str(raw.get("InstanceType"))),  # the table: an estimate, for `sweep`
         )
 
     def terminate(self, cluster: ClusterRecord, instance_id: str) -> None:
@@ -284,6 +286,33 @@ class AWSBackend(CloudBackend):
                 ]
             )
         return [self._instance(i) for r in found["Reservations"] for i in r["Instances"]]
+
+    def list_ours(self, account: ClusterRecord) -> list[Instance]:
+        """Every live instance of the region tagged gpuctl-cluster, whatever the cluster."""
+        client = self.client(account)
+        filters = [{"Name": "tag-key", "Values": [TAG]}, {"Name": "instance-state-name", "Values": ACTIVE_STATES}]
+        with aws_errors("list instances"):
+            pages = list(client.get_paginator("describe_instances").paginate(Filters=filters))
+        found = [self._instance(i) for page in pages for r in page["Reservations"] for i in r["Instances"]]
+        return [i for i in found if cluster_of(i.label)]
+
+    def account_missing(self) -> str | None:
+        import boto3
+        from botocore.exceptions import BotoCoreError
+
+        try:
+            session = boto3.session.Session()
+            found = session.get_credentials() is not None
+        except BotoCoreError as exc:
+            return f"AWS credentials: {type(exc).__name__}"
+        return None if found else "no AWS credentials (AWS_PROFILE, ~/.aws, AWS_ACCESS_KEY_ID)"
+
+    def default_account(self) -> ClusterRecord | None:
+        """The region boto3 is configured for; None without one (no AWS account to look at)."""
+        import boto3
+
+        region = boto3.session.Session().region_name
+        return ClusterRecord(name="sweep", provider=self.kind, nodes=[], region=region) if region else None
 
     def release(self, cluster: ClusterRecord, say: Callable[[str], None]) -> None:
         """Delete the security group and the imported key pair (free, but not ours to leave)."""

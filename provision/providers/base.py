@@ -107,9 +107,9 @@ class ProviderBackend(ABC):
         the budget guard (flows/guard.py), ending the node `minutes` from now; None: none."""
         return None
 
-    def undo_up(self, cluster: ClusterRecord, say: Callable[[str], None]) -> bool:
-        """`up` was interrupted after this backend returned: remove what it made. False when the
-        cluster is kept instead (local, ssh: nothing of it is rented)."""
+    def undo_up(self, cluster: ClusterRecord, say: Callable[[str], None], failure: BaseException | None = None) -> bool:
+        """`up` was interrupted (failure None) or failed after this backend returned: remove what it
+        made. False when the cluster is kept instead (local, ssh: nothing of it is rented)."""
         return False
 
 

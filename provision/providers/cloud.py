@@ -2,20 +2,22 @@
 
 A provider module subclasses CloudBackend and supplies the vendor calls (find_offers, launch,
 describe, terminate, list_instances, self_teardown). This module owns the rules around them:
-- `up` shows the pick, its $/h and the budget cap, asks (UpOptions.confirm), then creates;
-  every created instance is recorded in state at once, and a failure or Ctrl-C before the
-  cluster is ready terminates what this attempt created (nothing else), within a bound: a
+- `up` shows the pick, its $/h and the budget cap, asks (UpOptions.confirm), then records its
+  intent (the cluster, each node's label: providers/labels.py) before the first create call and
+  each instance id as soon as the vendor answers, so a killed `up` leaves nothing `gpuctl down`
+  cannot find; a failure or Ctrl-C (SIGTERM, SIGHUP) before the cluster is ready terminates
+  what this attempt created (nothing else), within a bound: a
   second Ctrl-C cannot cut the terminate calls short, only the wait for the vendor to confirm,
   and what is not confirmed gone stays recorded for `gpuctl down`;
 - ready means SSH answers with a banner and a command runs, not the vendor saying "running";
-- `down` terminates, then polls the vendor's own list until the instances are gone.
+- `down` terminates the recorded instances and any the vendor lists under the record's labels
+  without an id in it, then polls the vendor's own list until they are gone.
 gpuctl logs in with the cluster's own ed25519 key (provision/mesh.py's keypair, under the
 state dir in keys/<cluster>/), which is also the node-to-node key of a multi-node cluster.
 """
 
 from __future__ import annotations
 
-import secrets
 import shutil
 import time
 from collections.abc import Callable
@@ -36,6 +38,7 @@ from provision.providers.base import (
     UpOptions,
     resolve_runtime,
 )
+from provision.providers.labels import cluster_of, new_labels
 from provision.transport.remote import Node
 from provision.transport.ssh import mesh
 
@@ -57,6 +60,28 @@ class Instance:
     label: str = ""
     private_address: str | None = None  # where the other nodes reach it (AWS: inside the VPC)
     host: str = ""  # the vendor's machine behind it, where its API names one (runpod: machineId)
+    price_per_hour: float | None = None  # what the vendor bills it, where its listing says
+
+
+def planned_node(i: int, offer: Offer, label: str) -> NodeRecord:
+    """Node i of a cluster being created: its label and offer, no instance yet."""
+    return NodeRecord(
+        host=f"node{i}",
+        address="",
+        label=label,
+        slots=offer.num_gpus,
+        accelerator="cuda",
+        gpu_name=offer.gpu_name,
+        host_id=offer.host or None,
+        price_per_hour=offer.price_per_hour,
+    )
+
+
+def price_of(value: object) -> float | None:
+    """A vendor's $/h figure, when it is one (a number, finite, not negative)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if 0 <= value < float("inf") else None
 
 
 class LostHostAgain(NoOfferError):
@@ -92,8 +117,20 @@ class CloudBackend(ProviderBackend):
         raise NotImplementedError
 
     def launch(self, prov: CloudProvider, cluster: ClusterRecord, label: str, offer: Offer, public_key: str) -> str:
-        """Create one instance named `label` (unique to this attempt); returns its id."""
+        """Create one instance named `label` (unique to this attempt); returns its id. Only the
+        create call: what follows it (attach) comes once the id is recorded."""
         raise NotImplementedError
+
+    def attach(self, cluster: ClusterRecord, instance_id: str, public_key: str) -> None:
+        """What a new instance needs after its create (vast: the cluster key)."""
+
+    def account_missing(self) -> str | None:
+        """Why this machine has no account of the vendor configured (no key); None: it has one."""
+        raise NotImplementedError
+
+    def default_account(self) -> ClusterRecord | None:
+        """The account to look at when no config or record names an endpoint: the vendor's own."""
+        return ClusterRecord(name="sweep", provider=self.kind, nodes=[])
 
     def describe(self, cluster: ClusterRecord, instance_id: str) -> Instance | None:
         """None when the vendor no longer has it."""
@@ -177,14 +214,16 @@ class CloudBackend(ProviderBackend):
         from provision.transport.ssh.node import SSHNode  # noqa: F401  (it imports paramiko and connect)
 
         created: list[str] = []
-        attempt = secrets.token_hex(3)  # in every label: a failed create is found by it, nothing else
-        labels = [f"gpuctl-{record.name}-{i}-{attempt}" for i in range(len(picks))]
+        labels = new_labels(record.name, list(range(len(picks))))  # a lost create answer is found by its label
+        record.nodes = [planned_node(i, offer, labels[i]) for i, offer in enumerate(picks)]
+        record.creating = True  # until flows/cluster.py records it up
         with interrupt.guarded():  # a double Ctrl-C cannot get ahead of the abort
             try:
-                self._create_and_boot(cfg, record, picks, labels, created, public_key, opts.say)
+                state.save_cluster(record)  # the intent, before any vendor call creates: a killed `up` is found
+                self._create_and_boot(cfg, record, picks, created, public_key, opts.say)
                 for node in record.nodes:
                     self.check_not_excluded(record, node, opts.exclude_hosts)
-            except BaseException as exc:  # Ctrl-C included: leave nothing behind
+            except BaseException as exc:  # Ctrl-C, SIGTERM, SIGHUP included: leave nothing behind
                 self._abort(record, created, labels, opts.say, exc)
                 raise
         return record
@@ -194,33 +233,23 @@ class CloudBackend(ProviderBackend):
         cfg: GpuctlConfig,
         record: ClusterRecord,
         picks: list[Offer],
-        labels: list[str],
         created: list[str],
         public_key: str,
         say: Callable[[str], None],
     ) -> None:
-        """Create one instance per pick (each recorded at once, its id appended to `created`), then
-        wait until every node is ready; the node-to-node SSH of a multi-node cluster last."""
+        """Create one instance per pick (its id recorded as soon as the vendor answers, and appended
+        to `created`), then wait until every node is ready; the node-to-node SSH of a multi-node
+        cluster last."""
         prov = cfg.provider
         assert isinstance(prov, CloudProvider)
         self.prepare(prov, record, public_key)
-        for i, offer in enumerate(picks):
-            instance_id = self.launch(prov, record, labels[i], offer, public_key)
-            created.append(instance_id)
-            record.nodes.append(
-                NodeRecord(
-                    host=f"node{i}",
-                    address="",
-                    instance_id=instance_id,
-                    slots=offer.num_gpus,
-                    accelerator="cuda",
-                    gpu_name=offer.gpu_name,
-                    host_id=offer.host or None,
-                    price_per_hour=offer.price_per_hour,
-                )
-            )
-            state.save_cluster(record)  # `gpuctl down` finds it even if this process dies now
-            say(f"created {self.kind} instance {instance_id}; waiting for it to boot")
+        for node, offer in zip(record.nodes, picks, strict=True):
+            assert node.label is not None  # planned_node gave it one
+            node.instance_id = self.launch(prov, record, node.label, offer, public_key)
+            created.append(node.instance_id)
+            state.save_cluster(record)  # before anything else: `gpuctl down` finds it even if this process dies now
+            self.attach(record, node.instance_id, public_key)
+            say(f"created {self.kind} instance {node.instance_id}; waiting for it to boot")
         deadline = time.monotonic() + prov.ready_timeout
         for node in record.nodes:
             self.wait_ready(prov, record, node, deadline, say)
@@ -233,12 +262,31 @@ class CloudBackend(ProviderBackend):
 
     def down(self, cluster: ClusterRecord, say: Callable[[str], None]) -> None:
         ids = [n.instance_id for n in cluster.nodes if n.instance_id]
-        for instance_id in ids:
+        for instance_id in ids:  # what the record lists goes first, even if the vendor's list then fails
             self.terminate(cluster, instance_id)
+        extra = self.unrecorded(cluster, ids, say)
+        for instance_id in extra:
+            self.terminate(cluster, instance_id)
+        ids += extra
         self.wait_gone(cluster, ids)
         self.release(cluster, say)
         self.forget_local(cluster)
         say(f"terminated {len(ids)} {self.kind} instance(s); {self.kind} no longer lists them")
+
+    def unrecorded(self, cluster: ClusterRecord, ids: list[str], say: Callable[[str], None]) -> list[str]:
+        """Instances under the record's labels whose id it lacks: a create whose answer a killed
+        `up` (or node replacement) never saw."""
+        labels = {n.label for n in cluster.nodes if n.label}
+        if not labels:
+            return []
+        found = [i.id for i in self.list_instances(cluster) if i.label in labels and i.id not in ids]
+        if found:
+            say(f"{self.kind} lists instance(s) {', '.join(found)} under cluster {cluster.name}'s labels: terminating")
+        return found
+
+    def list_ours(self, account: ClusterRecord) -> list[Instance]:
+        """Every instance of the account (`account`: api_url, region) that carries a gpuctl label."""
+        return [i for i in self.list_instances(account) if cluster_of(i.label)]
 
     # helpers -------------------------------------------------------------------------------------
     def ssh_node(self, cluster: ClusterRecord, node: NodeRecord, *, pin_new: bool = False) -> Node:
@@ -263,76 +311,10 @@ class CloudBackend(ProviderBackend):
     def wait_ready(
         self, prov: CloudProvider, cluster: ClusterRecord, node: NodeRecord, deadline: float, say: Callable[[str], None]
     ) -> None:
-        """Wait until one booting node is usable (`up`, and `replace_node` for a new node): vendor says
-        running with an address -> SSH banner -> a command runs -> probe GPUs."""
-        from provision.transport.ssh.connect import ConnectError, HostKeyRefused, wait_for_ssh
+        """Wait until one booting node is usable (`up`, and `replace_node` for a new node): see boot.py."""
+        from provision.providers.boot import wait_ready
 
-        assert node.instance_id is not None  # up() records every node with its instance id
-        seen = None
-        while True:
-            interrupt.check()  # a Ctrl-C that a finalizer swallowed (see core/interrupt.py)
-            inst = self.describe(cluster, node.instance_id)
-            if inst is None or inst.failed:
-                what = "vanished" if inst is None else f"ended in state {inst.state!r}"
-                raise ProviderError(
-                    f"{self.kind} instance {node.instance_id} {what} while booting",
-                    f"retry `gpuctl up`; check the {self.kind} console for its log",
-                )
-            if inst.ready and inst.address:
-                break
-            if inst.state != seen:
-                say(f"{self.kind} instance {node.instance_id}: {inst.state}")
-                seen = inst.state
-            if time.monotonic() > deadline:
-                raise ProviderError(
-                    f"{self.kind} instance {node.instance_id} still {inst.state!r} after {prov.ready_timeout:.0f}s",
-                    "raise provider.ready_timeout or retry",
-                )
-            time.sleep(POLL_S)
-        node.address, node.port, node.user = inst.address, inst.port, inst.user
-        node.private_address = inst.private_address
-        node.host_id = inst.host or node.host_id
-        wait_for_ssh(inst.address, inst.port, deadline, say=say)
-        ssh = self.ssh_node(cluster, node, pin_new=True)
-        try:
-            while True:  # sshd answers before the key is installed on some images: retry auth
-                interrupt.check()
-                try:
-                    home = ssh.home()
-                    break
-                except ConnectError as exc:
-                    if time.monotonic() > deadline or isinstance(exc, HostKeyRefused):
-                        raise
-                    say(f"waiting for SSH login: {exc.message}")
-                    time.sleep(POLL_S)
-            self._probe(prov, node, ssh, home, say)
-        finally:
-            ssh.close()
-
-    def _probe(self, prov: CloudProvider, node: NodeRecord, ssh: Node, home: str, say: Callable[[str], None]) -> None:
-        node.workdir = prov.workdir or f"{home.rstrip('/')}/gpuctl"
-        out = ssh.sh(
-            "command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name --format=csv,noheader",
-            check=False,
-            timeout=60,
-        ).stdout
-        gpus = [line.strip() for line in out.splitlines() if line.strip()]
-        if gpus:
-            node.slots = min(len(gpus), prov.gpus_per_node)
-            node.accelerator, node.gpu_name = "cuda", gpus[0]
-            if len(gpus) < prov.gpus_per_node:
-                say(f"warning: {node.host} shows {len(gpus)} GPU(s), fewer than the {prov.gpus_per_node} rented")
-        elif prov.cpu_ranks_fallback:
-            node.slots, node.accelerator, node.gpu_name = prov.cpu_ranks_fallback, "cpu", None
-            say(
-                f"warning: {node.host} shows no GPU (no nvidia-smi output); running "
-                f"{prov.cpu_ranks_fallback} CPU ranks (provider.cpu_ranks_fallback)"
-            )
-        else:
-            raise ProviderError(
-                f"{self.kind} instance {node.instance_id} shows no GPU (nvidia-smi found none)",
-                "pick another offer; set provider.cpu_ranks_fallback only for CPU test stand-ins",
-            )
+        wait_ready(self, prov, cluster, node, deadline, say)
 
     def check_not_excluded(self, cluster: ClusterRecord, node: NodeRecord, exclude: set[str]) -> None:
         """A vendor that places a pod itself (runpod) may put it on a host this run lost."""
@@ -343,11 +325,11 @@ class CloudBackend(ProviderBackend):
                 "retry later, or set recovery.exclude_lost_hosts: false",
             )
 
-    def undo_up(self, cluster: ClusterRecord, say: Callable[[str], None]) -> bool:
-        """`up` was interrupted after this backend returned (record saved, image shipping):
-        terminate its instances the way an interrupted create does."""
+    def undo_up(self, cluster: ClusterRecord, say: Callable[[str], None], failure: BaseException | None = None) -> bool:
+        """`up` was interrupted or failed after this backend returned (record saved, image shipping,
+        guard): terminate its instances the way an interrupted or failed create does."""
         ids = [n.instance_id for n in cluster.nodes if n.instance_id]
-        self._abort(cluster, ids, [], say, KeyboardInterrupt())
+        self._abort(cluster, ids, [], say, failure or KeyboardInterrupt())
         return True
 
     def _abort(

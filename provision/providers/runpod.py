@@ -14,8 +14,9 @@ parsed as query syntax. tests/test_cloud_oracle_runpod.py compares the two.
 - create: podFindAndDeployOnDemand(input: {name, imageName, gpuTypeId, gpuCount, cloudType,
   containerDiskInGb, volumeInGb, minMemoryInGb, ports: "22/tcp", supportPublicIp, startSsh,
   env: [{key, value}]}) -> id; podRentInterruptable(input: {..., bidPerGpu}) for spot. The pod
-  IS the container. The cluster key goes in env SSH_PUBLIC_KEY, RunPod's documented per-pod key
-  (docs: pods/configuration/override-public-keys); RunPod still injects the account's own key
+  IS the container; its name is gpuctl's label (providers/labels.py). The cluster key goes in
+  env SSH_PUBLIC_KEY, RunPod's documented per-pod key (docs:
+  pods/configuration/override-public-keys); RunPod still injects the account's own key
   as PUBLIC_KEY, and gpuctl's image installs both (images/entrypoint.sh, sshd with GPUCTL_SSHD=1).
 - ready: pod(input: {podId}) { runtime { ports { ip isIpPublic privatePort publicPort type } } }
   has the public TCP port for 22 (RUNNING is reported while the image still pulls: then an
@@ -37,11 +38,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from provision.core.errors import NoOfferError, ProviderError
+from provision.core.errors import AuthError, NoOfferError, ProviderError
 from provision.core.provider_config import CloudProvider, RunPodProvider
 from provision.core.state import ClusterRecord
 from provision.providers.base import Offer, SelfTeardown
-from provision.providers.cloud import CloudBackend, Instance, budget_hours
+from provision.providers.cloud import CloudBackend, Instance, budget_hours, price_of
 from provision.providers.http import ApiRefused, JsonApi, load_key
 from provision.providers.teardown import http_teardown, node_last
 
@@ -124,8 +125,9 @@ def _instance(raw: dict[str, Any]) -> Instance:
         address=ssh["ip"] if ssh else None,
         port=int(ssh["publicPort"]) if ssh else 22,
         user="root",
-        label=raw.get("name") or "",
+        label=str(raw.get("name") or ""),
         host=str(raw.get("machineId") or ""),
+        price_per_hour=price_of(raw.get("costPerHr")),
     )
 
 
@@ -218,6 +220,13 @@ class RunPodBackend(CloudBackend):
             cluster.price_per_hour = round((cluster.price_per_hour or 0.0) - offer.price_per_hour + billed, 4)
             cluster.budget_hours = budget_hours(prov, cluster.price_per_hour)
         return str(data["id"])
+
+    def account_missing(self) -> str | None:
+        try:
+            load_key("RunPod", KEY_ENV, KEY_FILES, _parse_config)
+        except AuthError as exc:
+            return exc.message
+        return None
 
     def describe(self, cluster: ClusterRecord, instance_id: str) -> Instance | None:
         try:

@@ -13,7 +13,8 @@ vastai/api/{offers,instances,keys}.py) sends it; tests/test_cloud_oracle_vast.py
   An SSH runtype replaces the image's entrypoint with Vast's own, so the image's ENV never
   reaches an SSH session: ONSTART (run by Vast's entrypoint, with the container's env) writes
   it to /etc/environment, which PAM reads at every SSH login (Vast's documented pattern).
-  The cluster key goes in with POST /api/v0/instances/{id}/ssh/ {"ssh_key": line}.
+  The cluster key goes in with POST /api/v0/instances/{id}/ssh/ {"ssh_key": line}, once the id
+  is recorded (attach). The label is gpuctl's (providers/labels.py): `gpuctl sweep` finds it.
 - ready: GET /api/v0/instances/{id}/?owner=me -> {"instances": {...}}: actual_status "running"
   and an address (ports["22/tcp"][0].HostPort on public_ipaddr, else the proxy ssh_host:ssh_port),
   then an SSH banner (cloud.py). exited/offline/unknown/stopped never turn into running: failed.
@@ -30,11 +31,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote_plus
 
-from provision.core.errors import ProviderError
+from provision.core.errors import AuthError, ProviderError
 from provision.core.provider_config import CloudProvider, VastProvider
 from provision.core.state import ClusterRecord
 from provision.providers.base import Offer, SelfTeardown
-from provision.providers.cloud import CloudBackend, Instance
+from provision.providers.cloud import CloudBackend, Instance, price_of
 from provision.providers.http import ApiNotFound, JsonApi, load_key
 from provision.providers.teardown import http_teardown, node_last
 
@@ -156,7 +157,8 @@ def _instance(raw: dict[str, Any]) -> Instance:
         address=address,
         port=port,
         user="root",
-        label=raw.get("label") or "",
+        label=str(raw.get("label") or ""),
+        price_per_hour=price_of(raw.get("dph_total")),
     )
 
 
@@ -212,16 +214,22 @@ class VastBackend(CloudBackend):
                 f"Vast.ai did not rent offer {offer.id}: {answer.get('msg') or answer.get('error') or answer}",
                 "the offer may be taken or unschedulable; retry `gpuctl up`",
             )
-        instance_id = str(answer["new_contract"])
+        return str(answer["new_contract"])
+
+    def attach(self, cluster: ClusterRecord, instance_id: str, public_key: str) -> None:
+        """The cluster key, once the new instance's id is recorded (a failure here aborts `up`,
+        which terminates the instance)."""
+        _checked(
+            api(cluster.api_url).request("POST", f"/api/v0/instances/{instance_id}/ssh/", {"ssh_key": public_key}),
+            f"attach the cluster key to instance {instance_id}",
+        )
+
+    def account_missing(self) -> str | None:
         try:
-            _checked(
-                client.request("POST", f"/api/v0/instances/{instance_id}/ssh/", {"ssh_key": public_key}),
-                f"attach the cluster key to instance {instance_id}",
-            )
-        except BaseException:
-            self.terminate(cluster, instance_id)
-            raise
-        return instance_id
+            load_key("Vast.ai", KEY_ENV, KEY_FILES)
+        except AuthError as exc:
+            return exc.message
+        return None
 
     def describe(self, cluster: ClusterRecord, instance_id: str) -> Instance | None:
         try:

@@ -67,6 +67,10 @@ class FakeApi:
     # Called in the serving thread as each request arrives, before it is answered, with its method
     # and path: it may signal the client (a Ctrl-C at that request) or block (a slow vendor).
     on_request: Callable[[str, str], None] | None = None
+    # Called in the serving thread once the fake has acted on an authorized request and before
+    # its answer goes out, with the method, path and parsed body: it may kill the client then (a
+    # create the vendor did whose answer gpuctl never read) or hold the answer.
+    on_answer: Callable[[str, str, object], None] | None = None
 
     def __post_init__(self):
         self.lock = threading.RLock()
@@ -140,6 +144,8 @@ class FakeApi:
                 status, answer = self.handle(req.command, split.path, body, query)
             except ApiError as err:
                 status, answer = err.status, err.body
+        if self.on_answer is not None:
+            self.on_answer(req.command, split.path, body)
         self._reply(req, status, answer)
 
     def _reply(self, req: BaseHTTPRequestHandler, status: int, body: dict, headers: dict | None = None) -> None:

@@ -5,7 +5,9 @@ the ``gpuctl`` fixture)."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,7 +16,7 @@ from typing import Any
 import yaml
 
 from tests.fakes.base import SshTarget
-from tests.helpers import REPO
+from tests.helpers import GPUCTL, REPO
 
 
 def ssh_target(sshd) -> SshTarget:
@@ -115,3 +117,34 @@ def assert_secret_absent(secret: str, *texts: str, dirs: tuple[Path, ...] = ()) 
         for path in Path(folder).rglob("*"):
             if path.is_file() and not path.is_symlink():
                 assert needle not in path.read_bytes(), f"the API key leaked into {path}"
+
+
+class Killer:
+    """Sends one signal to the gpuctl under test when a hook calls fire(), then holds that hook
+    (the vendor's answer, the next request, the SSH step) until the test has seen gpuctl exit."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        self.proc: subprocess.Popen | None = None
+        self.fired = False
+        self.release = threading.Event()
+
+    def fire(self) -> None:
+        if self.fired or self.proc is None:
+            return
+        self.fired = True
+        self.proc.send_signal(self.signum)
+        self.release.wait(60)
+
+    def run(self, project, *args: str) -> tuple[int, str]:
+        self.proc = subprocess.Popen(
+            [*GPUCTL, *args], cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        try:
+            _out, err = self.proc.communicate(timeout=120)
+        finally:
+            self.release.set()
+            if self.proc.poll() is None:
+                self.proc.kill()
+        assert self.fired, f"the step was never reached: {err[-3000:]}"
+        return self.proc.returncode, err

@@ -1,0 +1,100 @@
+"""A new cloud instance becoming a usable node (`up`, and `replace_node` for a new node): the
+vendor says running with an address -> an SSH banner -> a command runs (the login works) -> the
+GPUs are probed. Ready means that, not the vendor saying "running"."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from provision.core import interrupt
+from provision.core.errors import ProviderError
+from provision.core.provider_config import CloudProvider
+from provision.core.state import ClusterRecord, NodeRecord
+from provision.transport.remote import Node
+
+if TYPE_CHECKING:
+    from provision.providers.cloud import CloudBackend
+
+
+def wait_ready(
+    backend: CloudBackend,
+    prov: CloudProvider,
+    cluster: ClusterRecord,
+    node: NodeRecord,
+    deadline: float,
+    say: Callable[[str], None],
+) -> None:
+    from provision.providers import cloud
+    from provision.transport.ssh.connect import ConnectError, HostKeyRefused, wait_for_ssh
+
+    kind = backend.kind
+    assert node.instance_id is not None  # up() records every node's instance id before it waits
+    seen = None
+    while True:
+        interrupt.check()  # a Ctrl-C that a finalizer swallowed (see core/interrupt.py)
+        inst = backend.describe(cluster, node.instance_id)
+        if inst is None or inst.failed:
+            what = "vanished" if inst is None else f"ended in state {inst.state!r}"
+            raise ProviderError(
+                f"{kind} instance {node.instance_id} {what} while booting",
+                f"retry `gpuctl up`; check the {kind} console for its log",
+            )
+        if inst.ready and inst.address:
+            break
+        if inst.state != seen:
+            say(f"{kind} instance {node.instance_id}: {inst.state}")
+            seen = inst.state
+        if time.monotonic() > deadline:
+            raise ProviderError(
+                f"{kind} instance {node.instance_id} still {inst.state!r} after {prov.ready_timeout:.0f}s",
+                "raise provider.ready_timeout or retry",
+            )
+        time.sleep(cloud.POLL_S)
+    node.address, node.port, node.user = inst.address, inst.port, inst.user
+    node.private_address = inst.private_address
+    node.host_id = inst.host or node.host_id
+    wait_for_ssh(inst.address, inst.port, deadline, say=say)
+    ssh = backend.ssh_node(cluster, node, pin_new=True)
+    try:
+        while True:  # sshd answers before the key is installed on some images: retry auth
+            interrupt.check()
+            try:
+                home = ssh.home()
+                break
+            except ConnectError as exc:
+                if time.monotonic() > deadline or isinstance(exc, HostKeyRefused):
+                    raise
+                say(f"waiting for SSH login: {exc.message}")
+                time.sleep(cloud.POLL_S)
+        probe(kind, prov, node, ssh, home, say)
+    finally:
+        ssh.close()
+
+
+def probe(kind: str, prov: CloudProvider, node: NodeRecord, ssh: Node, home: str, say: Callable[[str], None]) -> None:
+    """The node's workdir and GPUs (nvidia-smi); a node with none is an error unless cpu_ranks_fallback."""
+    node.workdir = prov.workdir or f"{home.rstrip('/')}/gpuctl"
+    out = ssh.sh(
+        "command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name --format=csv,noheader",
+        check=False,
+        timeout=60,
+    ).stdout
+    gpus = [line.strip() for line in out.splitlines() if line.strip()]
+    if gpus:
+        node.slots = min(len(gpus), prov.gpus_per_node)
+        node.accelerator, node.gpu_name = "cuda", gpus[0]
+        if len(gpus) < prov.gpus_per_node:
+            say(f"warning: {node.host} shows {len(gpus)} GPU(s), fewer than the {prov.gpus_per_node} rented")
+    elif prov.cpu_ranks_fallback:
+        node.slots, node.accelerator, node.gpu_name = prov.cpu_ranks_fallback, "cpu", None
+        say(
+            f"warning: {node.host} shows no GPU (no nvidia-smi output); running "
+            f"{prov.cpu_ranks_fallback} CPU ranks (provider.cpu_ranks_fallback)"
+        )
+    else:
+        raise ProviderError(
+            f"{kind} instance {node.instance_id} shows no GPU (nvidia-smi found none)",
+            "pick another offer; set provider.cpu_ranks_fallback only for CPU test stand-ins",
+        )
