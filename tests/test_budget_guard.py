@@ -31,21 +31,12 @@ from provision.providers.base import SelfTeardown, UpOptions
 from provision.providers.local import LocalBackend
 from provision.transport.remote import LocalNode
 from provision.transport.ssh import node as sshnode
-from tests.fakes.guards import running
+from tests.fakes.guards import kill_guards, running
 from tests.fakes.harness import node_fields, ssh_target, text_once_it_says, wait_until, write_config
 from tests.fakes.vast_api import FakeVast
 
 pytestmark = pytest.mark.timeout(180)
 CAP_H = 0.006  # 21.6 s from the cluster's creation
-
-
-def kill_guards(root: Path) -> None:
-    """A failed test must not leave a guard waiting to call a fake API that is gone."""
-    for pid_file in root.glob("**/guard/*.pid"):
-        try:
-            os.killpg(int(pid_file.read_text().strip()), signal.SIGKILL)
-        except (ValueError, ProcessLookupError):
-            pass
 
 
 class StandIn(LocalBackend):

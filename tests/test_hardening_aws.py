@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import os
 import re
-import signal
 import socket
 import subprocess
 import urllib.request
@@ -30,7 +29,7 @@ from provision.flows import cluster
 from provision.providers import aws, cloud
 from provision.providers.base import UpOptions
 from provision.transport.ssh import mesh
-from tests.fakes.guards import restart_and_check
+from tests.fakes.guards import kill_guards, restart_and_check
 from tests.fakes.harness import node_fields, ssh_target, write_config
 
 pytestmark = pytest.mark.timeout(240)
@@ -75,11 +74,7 @@ def ec2(moto_url, monkeypatch, sshd, tmp_path):
     client.register_image(Name=AMI, RootDeviceName="/dev/sda1", Architecture="x86_64")
     client.url, client.shutdown_log = moto_url, shutdown_log
     yield client
-    for pid_file in tmp_path.glob("**/guard/*.pid"):  # a capped cluster's guards: ours to end
-        try:
-            os.killpg(int(pid_file.read_text().strip()), signal.SIGKILL)
-        except (ValueError, ProcessLookupError):
-            pass
+    kill_guards(tmp_path)  # a capped cluster's guards: ours to end
 
 
 def two_nodes(project: Path, ec2, tmp_path: Path, sshd, name: str, **extra) -> None:
