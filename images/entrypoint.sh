@@ -45,4 +45,10 @@ if [ "$want_sshd" = 1 ]; then
     -o PasswordAuthentication=no -o PermitRootLogin=prohibit-password
 fi
 
+# A capped node's budget guards start again after a container restart (gpuctl's flows/guard.py,
+# BOOT_HOOK in provision/providers/base.py): the boot hook `gpuctl up` wrote in the node's workdir.
+# Nothing before `up` wrote one; a failing hook never stops the container from starting.
+( h="${GPUCTL_WORKDIR:-${HOME:-/root}/gpuctl}/guard/boot.sh"; if [ -f "$h" ]; then bash "$h"; fi ) \
+  || echo "gpuctl-entrypoint: the budget guard's boot hook failed" >&2
+
 exec "$@"

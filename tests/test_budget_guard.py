@@ -31,20 +31,12 @@ from provision.providers.base import SelfTeardown, UpOptions
 from provision.providers.local import LocalBackend
 from provision.transport.remote import LocalNode
 from provision.transport.ssh import node as sshnode
+from tests.fakes.guards import kill_guards, running
 from tests.fakes.harness import node_fields, ssh_target, text_once_it_says, wait_until, write_config
 from tests.fakes.vast_api import FakeVast
 
 pytestmark = pytest.mark.timeout(180)
 CAP_H = 0.006  # 21.6 s from the cluster's creation
-
-
-def kill_guards(root: Path) -> None:
-    """A failed test must not leave a guard waiting to call a fake API that is gone."""
-    for pid_file in root.glob("**/guard/guard.pid"):
-        try:
-            os.kill(int(pid_file.read_text().strip()), signal.SIGKILL)
-        except (ValueError, ProcessLookupError):
-            pass
 
 
 class StandIn(LocalBackend):
@@ -87,6 +79,36 @@ def test_the_guard_stops_running_runs_and_tears_down_at_the_cap(tmp_path):
         kill_guards(tmp_path)
         if run.poll() is None:
             run.kill()
+
+
+def test_a_guard_started_again_stops_the_first_and_swaps_its_script_whole(tmp_path):
+    """replace_node starts the guard again (new instance list, new cap): the first one stops (two
+    guards would both tear down, one with a stale list), and guard.sh is replaced by a rename, not
+    rewritten under the bash that is still reading it line by line."""
+    workdir = tmp_path / "node"
+    record = state.ClusterRecord(
+        name="g", provider="vast", nodes=[state.NodeRecord(host="node0", workdir=str(workdir))], budget_hours=1.0
+    )
+    script = workdir / "guard" / "guard.sh"
+    try:
+        first = guard.start(record, StandIn(tmp_path / "marker"), [LocalNode()], say=lambda _: None)
+        before = script.stat().st_ino
+        second = guard.start(record, StandIn(tmp_path / "marker"), [LocalNode()], say=lambda _: None)
+        assert second != first and running(second)
+        wait_until(lambda: not running(first), 15, "the first guard to stop")
+        assert script.stat().st_ino != before  # a new file renamed over the old one
+        assert not list(script.parent.glob("*.new"))
+        guards = [p for p in Path("/proc").glob("[0-9]*") if str(workdir) in _cwd(p) and running(int(p.name))]
+        assert [int(p.name) for p in guards if b"guard.sh" in (p / "cmdline").read_bytes()] == [second]
+    finally:
+        kill_guards(tmp_path)
+
+
+def _cwd(proc: Path) -> str:
+    try:
+        return os.readlink(proc / "cwd")
+    except OSError:
+        return ""
 
 
 def test_a_detached_start_returns_once_its_group_exists(tmp_path, monkeypatch):

@@ -128,8 +128,8 @@ def test_graphql_errors_and_unknown_fields_are_clear(fake):
 def test_node_teardown_sends_pod_terminate(project, fake, tmp_path):
     _cfg, record = up_in_process(project, fake, tmp_path)
     teardown = runpod.BACKEND.self_teardown(record)
-    assert teardown.argv[3] == "POST" and teardown.argv[4] == fake.url
-    assert json.loads(teardown.argv[5])["variables"] == {"input": {"podId": "fakepod000001"}}
+    assert teardown.argv[3:5] == ["teardown", "POST"] and teardown.argv[5] == fake.url
+    assert json.loads(teardown.argv[6])["variables"] == {"input": {"podId": "fakepod000001"}}
     assert fake.key not in " ".join(teardown.argv) and teardown.env == {"GPUCTL_TEARDOWN_KEY": fake.key}
     done = subprocess.run(teardown.argv, env={**os.environ, **teardown.env}, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -224,7 +224,7 @@ def test_two_nodes_take_the_two_cheapest_offers_and_end_together(project, gpuctl
     assert record.price_per_hour == pytest.approx(1.05 + 1.45)
     assert any("node-to-node SSH ready" in line for line in said)
     teardown = vast.BACKEND.self_teardown(record)
-    urls = teardown.argv[4::2]
+    urls = teardown.argv[5::2]
     assert urls == [f"{fake.url}/api/v0/instances/7000002/", f"{fake.url}/api/v0/instances/7000001/"]  # own last
     assert gpuctl("down", "--yes").returncode == 0
     assert not fake.instances and sorted(fake.deleted) == [7000001, 7000002]
@@ -261,7 +261,7 @@ def test_the_node_teardown_command_is_python_urllib_with_the_key_in_env(project,
     _cfg, record, _ = up_in_process(project, fake, tmp_path)
     teardown = vast.BACKEND.self_teardown(record)
     assert teardown.argv[1] == "-c" and "urllib.request" in teardown.argv[2]
-    assert teardown.argv[3:] == ["DELETE", f"{fake.url}/api/v0/instances/7000001/", "{}"]  # the client's body
+    assert teardown.argv[3:] == ["teardown", "DELETE", f"{fake.url}/api/v0/instances/7000001/", "{}"]  # client's body
     assert teardown.env == {"GPUCTL_TEARDOWN_KEY": fake.key}
     assert fake.key not in " ".join(teardown.argv)
     # run it as the node would: the fake deletes the instance

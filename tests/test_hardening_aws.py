@@ -1,7 +1,8 @@
 """AWS with two nodes against moto's EC2 server: the security group lets the cluster's members reach
 each other (pdsh, NCCL), the nodes talk over their private addresses, the first node's
 self-teardown shuts the other node down through the cluster's own ssh config and key, and a
-capped cluster gets the budget guard plus `shutdown -h +N` on every node.
+capped cluster gets the budget guard plus `shutdown -h +N` on every node (which must succeed), and
+a rebooted node starts its guard again from the per-boot script of its user data.
 
 moto's instances run nothing: SSH goes to the loopback sshd ($GPUCTL_AWS_TEST_SSH) and `shutdown`
 is a stand-in script ($GPUCTL_AWS_TEST_SHUTDOWN) that logs where it ran, never the real one.
@@ -9,9 +10,9 @@ is a stand-in script ($GPUCTL_AWS_TEST_SHUTDOWN) that logs where it ran, never t
 
 from __future__ import annotations
 
+import base64
 import os
 import re
-import signal
 import socket
 import subprocess
 import urllib.request
@@ -19,12 +20,16 @@ from pathlib import Path
 
 import boto3
 import pytest
+import yaml
 
+from provision.core import state
 from provision.core.config import load_config
+from provision.core.errors import RemoteError
 from provision.flows import cluster
 from provision.providers import aws, cloud
 from provision.providers.base import UpOptions
 from provision.transport.ssh import mesh
+from tests.fakes.guards import kill_guards, restart_and_check
 from tests.fakes.harness import node_fields, ssh_target, write_config
 
 pytestmark = pytest.mark.timeout(240)
@@ -69,11 +74,7 @@ def ec2(moto_url, monkeypatch, sshd, tmp_path):
     client.register_image(Name=AMI, RootDeviceName="/dev/sda1", Architecture="x86_64")
     client.url, client.shutdown_log = moto_url, shutdown_log
     yield client
-    for pid_file in tmp_path.glob("**/guard/guard.pid"):  # a capped cluster's guard: ours to end
-        try:
-            os.kill(int(pid_file.read_text().strip()), signal.SIGKILL)
-        except (ValueError, ProcessLookupError):
-            pass
+    kill_guards(tmp_path)  # a capped cluster's guards: ours to end
 
 
 def two_nodes(project: Path, ec2, tmp_path: Path, sshd, name: str, **extra) -> None:
@@ -93,9 +94,10 @@ def two_nodes(project: Path, ec2, tmp_path: Path, sshd, name: str, **extra) -> N
     ssh_target(sshd).add_key(mesh.cluster_keypair(name)[1])  # what EC2 does with the imported key pair
 
 
-def forget_mesh_key(name: str) -> None:
-    """mesh.setup also edits the test machine's own ~/.ssh/authorized_keys (the "nodes" are this host)."""
-    public = (mesh.key_dir(name) / "id_ed25519.pub").read_text().strip()
+def forget_mesh_key(name: str, public: str | None = None) -> None:
+    """mesh.setup also edits the test machine's own ~/.ssh/authorized_keys (the "nodes" are this host).
+    public: the cluster's key, read before a failed `up` removed its folder."""
+    public = public or (mesh.key_dir(name) / "id_ed25519.pub").read_text().strip()
     subprocess.run(["bash", "-c", mesh.EDIT_KEY, "x", "~/.ssh/authorized_keys", public, ""], check=False)
 
 
@@ -145,3 +147,41 @@ def test_a_capped_cluster_gets_the_guard_and_a_shutdown_backstop_on_every_node(p
     finally:
         forget_mesh_key("aws-cap")
         cluster.down("aws-cap", say=lambda _: None)
+
+
+def test_a_shutdown_backstop_that_cannot_be_scheduled_fails_up(project, ec2, tmp_path, sshd, state_dir):
+    """`sudo -n shutdown -h +N` refused (no passwordless sudo): an error with the fix, not a warning;
+    `up` then terminates what it created."""
+    refuse = tmp_path / "refusing-shutdown"
+    refuse.write_text('#!/bin/bash\necho "sudo: a password is required" >&2\nexit 1\n')
+    refuse.chmod(0o755)
+    os.environ[aws.TEST_SHUTDOWN_ENV] = str(refuse)  # the fixture's monkeypatch restores it
+    two_nodes(project, ec2, tmp_path, sshd, "aws-nobackstop", max_hours=1)
+    public = mesh.cluster_keypair("aws-nobackstop")[1].strip()
+    try:
+        with pytest.raises(RemoteError) as err:
+            cluster.up(load_config(project / "gpuctl.yaml"), UpOptions(assume_yes=True, say=lambda _: None))
+    finally:
+        forget_mesh_key("aws-nobackstop", public)
+    line = err.value.one_line()
+    assert "node0: could not schedule" in line and "-h +6" in line and "sudo: a password is required" in line
+    assert "fix: let " in line and "passwordless sudo for shutdown" in line
+    assert state.find_cluster("aws-nobackstop") is None
+    found = ec2.describe_instances(Filters=[{"Name": "tag:gpuctl-cluster", "Values": ["aws-nobackstop"]}])
+    assert {i["State"]["Name"] for r in found["Reservations"] for i in r["Instances"]} == {"terminated"}
+
+
+def test_a_rebooted_node_starts_its_guard_again_from_the_per_boot_user_data(project, ec2, tmp_path, sshd, state_dir):
+    two_nodes(project, ec2, tmp_path, sshd, "aws-reboot", max_hours=1)
+    record = cluster.up(load_config(project / "gpuctl.yaml"), UpOptions(assume_yes=True, say=lambda _: None))
+    try:
+        raw = ec2.describe_instance_attribute(InstanceId=record.nodes[0].instance_id, Attribute="userData")
+        doc = yaml.safe_load(base64.b64decode(raw["UserData"]["Value"]))
+        (per_boot,) = [f for f in doc["write_files"] if f["path"] == aws.PER_BOOT]
+        assert per_boot["permissions"] == "0755" and "ssh_authorized_keys" not in doc  # no key_name: the pair
+        # cloud-init runs the per-boot script as root at every boot; the node's guards start again
+        env = {"PATH": os.environ["PATH"], "HOME": "/root"}
+        restart_and_check(Path(record.nodes[0].workdir) / "guard", ["bash", "-c", per_boot["content"]], env)
+    finally:
+        forget_mesh_key("aws-reboot")
+        cluster.down("aws-reboot", say=lambda _: None)

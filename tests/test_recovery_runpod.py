@@ -1,15 +1,19 @@
 """A RunPod spot pod taken back mid-run (recovery:, flows/recover.py) against the fake GraphQL API:
-the pod reports EXITED and its SSH keys stop working; gpuctl tells that from a slow node."""
+the pod reports EXITED and its SSH keys stop working; gpuctl tells that from a slow node. A
+recovered run's new pod gets only what is left of the budget cap, at the price RunPod bills."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
 from provision.core import state
 from provision.core.config import load_config
 from provision.core.errors import RemoteError
-from provision.flows import recover
+from provision.flows import cluster, recover
 from provision.providers.base import UpOptions
+from tests.fakes.guards import deadline_of, recovered_cap
 from tests.fakes.harness import node_fields, saved_run, serve_runpod, wait_until, write_config
 from tests.fakes.preempt import freeze_past_a_checkpoint, kill_the_machine, steps
 
@@ -115,3 +119,23 @@ def test_e2e_a_spot_pod_lost_while_the_laptop_was_away_is_replaced_by_logs_f(pro
     shown = gpuctl("status")
     assert "restart 1," in shown.stdout and "fakepod000001 -> fakepod000003" in shown.stdout, shown.stdout
     assert gpuctl("down", "--yes").returncode == 0 and not fake.pods
+
+
+def test_a_recovered_run_gets_only_what_is_left_of_the_cap(project, fake, tmp_path, monkeypatch):
+    """$9 of a $10 cap spent by the run's earlier clusters, and RunPod bills the new pod more than
+    its offer said (costPerHr differs): the new pod's guard gets the $1 left, not $10 again."""
+    prov = {"kind": "runpod", "api_url": fake.url, "interruptible": True, "max_cost": 10.0, **node_fields(tmp_path)}
+    write_config(project, prov, name="rp-cap")
+    record = cluster.up(load_config(project / "gpuctl.yaml"), UpOptions(assume_yes=True, say=lambda _: None))
+    fake.price_moves = 0.1  # the bill of the next pod differs from its offer
+
+    def lose() -> None:
+        fake.preempt(record.nodes[0].instance_id)
+
+    new, cap_s, guard_sh = recovered_cap(project, record, lose, monkeypatch, spent_cost=9.0)
+    billed = 3 * (0.204 + 0.1)  # the spot bid per GPU plus the price move, x 3 GPUs
+    assert new.nodes[0].instance_id == "fakepod000002"
+    assert new.price_per_hour == pytest.approx(billed)  # the bill, not the offer's estimate
+    assert cap_s == pytest.approx((10.0 - new.spent_cost) / billed * 3600, abs=30)
+    assert cap_s < 1.2 * 3600  # about $1 of time (1.1 h), not $10 of it (11 h)
+    assert deadline_of(guard_sh) - time.time() == pytest.approx(cap_s, abs=30)  # what the new pod's guard was given

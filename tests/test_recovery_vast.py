@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from provision.core.errors import GpuctlError, RemoteError
 from provision.flows import recover
 from provision.providers import vast
 from provision.providers.base import UpOptions
+from tests.fakes.guards import deadline_of, recovered_cap
 from tests.fakes.harness import node_fields, saved_run, serve_vast, wait_until, write_config
 from tests.fakes.preempt import freeze_past_a_checkpoint, kill_the_machine, steps
 from tests.helpers import GPUCTL
@@ -244,3 +246,13 @@ def test_the_seed_takes_the_steps_the_laptop_missed_from_the_checkpoint(state_di
     assert [json.loads(line)["step"] for line in seed.splitlines()] == [1, 2, 3, 4]
     assert copy.read_text() == seed
     assert recover._metrics_upto(run, 2, "") == seed.split('{"step": 3')[0]  # no checkpoint copy: the laptop's
+
+
+def test_a_recovered_run_gets_only_what_is_left_of_the_cap(project, fake, tmp_path, monkeypatch):
+    """$9 of a $10 cap spent by the run's earlier clusters: the new node's guard gets the $1 left."""
+    configure(project, fake, tmp_path, {"max_restarts": 1}, provider={"max_cost": 10.0})
+    _cfg, record = up(project)
+    new, cap_s, guard_sh = recovered_cap(project, record, lambda: fake.preempt(7000001), monkeypatch, spent_cost=9.0)
+    assert new.nodes[0].host_id == "51003" and new.price_per_hour == pytest.approx(1.45)  # not the lost host
+    assert cap_s == pytest.approx((10.0 - new.spent_cost) / 1.45 * 3600, abs=30)  # about 41 min, not 6.9 h
+    assert deadline_of(guard_sh) - time.time() == pytest.approx(cap_s, abs=30)  # what the new node's guard was given

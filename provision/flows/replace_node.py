@@ -21,8 +21,9 @@ from provision.core import state
 from provision.core.config import GpuctlConfig
 from provision.core.errors import GpuctlError, RemoteError
 from provision.core.provider_config import CloudProvider
-from provision.providers.cloud import CloudBackend, budget_hours, describe_offer
+from provision.providers.cloud import CloudBackend, describe_offer
 from provision.providers.labels import new_labels
+from provision.providers.prices import cluster_cap
 
 # Kill every process whose working directory is the run dir: the ranks a lost peer left behind
 # (pdsh started them from the first node; with that node gone nothing else owns them).
@@ -75,7 +76,6 @@ def replace_lost_nodes(
     created: list[str] = []
     labels = new_labels(record.name, lost)
     _private, public_key = _keypair(record.name)
-    new_price = 0.0
     try:
         for i, label in zip(lost, labels, strict=True):
             pick = provider.picks(offers, 1)[0]
@@ -87,7 +87,6 @@ def replace_lost_nodes(
             created.append(instance_id)
             node.instance_id, node.host_id = instance_id, pick.host or None
             node.slots, node.gpu_name, node.price_per_hour = pick.num_gpus, pick.gpu_name, pick.price_per_hour
-            new_price += pick.price_per_hour
             state.save_cluster(record)  # the id, as soon as the vendor answered
             provider.attach(record, instance_id, public_key)
             deadline = time.monotonic() + prov.ready_timeout
@@ -96,6 +95,7 @@ def replace_lost_nodes(
             offers = [o for o in offers if o.id != pick.id or not o.host]  # one machine per offer (vast)
         if record.world_size != cluster.world_size:
             raise GpuctlError(f"the replacement has {record.world_size} ranks, the run {cluster.world_size}")
+        new_price = sum(record.nodes[i].price_per_hour or 0.0 for i in lost)  # billed, once booted (wait_ready)
         _rejoin(provider, cfg, record, cluster, old_price, new_price, say)
     except (GpuctlError, RemoteError) as exc:
         say(f"replacing node(s) {', '.join(map(str, lost))} failed ({exc}): replacing the whole cluster")
@@ -185,13 +185,13 @@ def _rejoin(
     if old.price_per_hour is not None:
         record.price_per_hour = round(old.price_per_hour - old_price + new_price, 4)
     record.created_at = now
-    record.budget_hours = budget_hours(prov, record.price_per_hour or 0.0, record.spent_hours, record.spent_cost)
+    record.budget_hours = cluster_cap(prov, record)
     state.save_cluster(record)
     if record.budget_hours:
         from provision.flows import guard
 
         nodes = provider.nodes(record)
-        try:  # a second guard with the new instance list; the first one's list only lacks the new node
+        try:  # the guards again, with the new instance list and cap (guard.start stops the old ones first)
             guard.start(record, provider, nodes, say)
         finally:
             for node in nodes:

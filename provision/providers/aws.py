@@ -35,7 +35,7 @@ from provision.core.provider_config import AWSProvider, CloudProvider
 from provision.core.state import ClusterRecord, NodeRecord
 from provision.providers import aws_network as network
 from provision.providers.aws_network import ignoring
-from provision.providers.base import Offer, SelfTeardown
+from provision.providers.base import BOOT_HOOK, Offer, SelfTeardown
 from provision.providers.cloud import CloudBackend, Instance
 from provision.providers.labels import cluster_of
 
@@ -74,6 +74,7 @@ CAPACITY_CODES = {
     "Unsupported",
     "MaxSpotInstanceCountExceeded",
 }
+PER_BOOT = "/var/lib/cloud/scripts/per-boot/gpuctl-guard.sh"  # cloud-init runs it at every boot
 ACTIVE_STATES = ["pending", "running", "stopping", "stopped", "shutting-down"]
 FAILED = ("shutting-down", "terminated", "stopping", "stopped")
 
@@ -124,6 +125,24 @@ def shutdown_argv(user: str | None, when: str) -> list[str]:
         return [test, "-h", when]
     sudo = [] if (user or "root") == "root" else ["sudo", "-n"]
     return [*sudo, "shutdown", "-h", when]
+
+
+def user_data(prov: AWSProvider, public_key: str | None) -> str:
+    """cloud-config: a per-boot script that runs the budget guard's boot hook, as the login user,
+    at every boot (a rebooted machine's guards start again, deadlines unchanged: flows/guard.py);
+    with key_name, gpuctl's own key too (the user's pair is then the instance's key pair)."""
+    import yaml
+
+    user = shlex.quote(prov.ssh_user)
+    workdir = shlex.quote(prov.workdir) if prov.workdir else f'"$(getent passwd {user} | cut -d: -f6)/gpuctl"'
+    script = (
+        "#!/bin/bash\n# gpuctl: start the budget guards again after a reboot (none before `gpuctl up` wrote them)\n"
+        f"export GPUCTL_WORKDIR={workdir}\nexec runuser -u {user} -- bash -c {shlex.quote(BOOT_HOOK)}\n"
+    )
+    doc: dict[str, Any] = {"write_files": [{"path": PER_BOOT, "permissions": "0755", "content": script}]}
+    if public_key:
+        doc["ssh_authorized_keys"] = [public_key]
+    return "#cloud-config\n" + str(yaml.safe_dump(doc, sort_keys=False))
 
 
 def _tags(cluster: str, extra: dict[str, str] | None = None) -> list[dict[str, str]]:
@@ -236,8 +255,7 @@ class AWSBackend(CloudBackend):
             ],
             TagSpecifications=[{"ResourceType": "instance", "Tags": tags}, {"ResourceType": "volume", "Tags": tags}],
         )
-        if prov.key_name:  # the user's pair logs in too; gpuctl's own key comes by cloud-init
-            args["UserData"] = f"#cloud-config\nssh_authorized_keys:\n  - {public_key}\n"
+        args["UserData"] = user_data(prov, public_key if prov.key_name else None)
         with aws_errors(f"run a {offer.id} instance"):
             instance_id: str = client.run_instances(**args)["Instances"][0]["InstanceId"]
         return instance_id
@@ -342,6 +360,10 @@ class AWSBackend(CloudBackend):
             for n in others
         ]
         return SelfTeardown(argv=["bash", "-c", "\n".join([*lines, shlex.join(own)])])
+
+    def node_teardown(self, cluster: ClusterRecord, node: NodeRecord) -> SelfTeardown | None:
+        """`shutdown -h now` on that node alone (its own guard, a little after the cap)."""
+        return SelfTeardown(argv=shutdown_argv(node.user, "now"))
 
     def backstop(self, cluster: ClusterRecord, node: NodeRecord, minutes: int) -> list[str] | None:
         """`shutdown -h +N` on every node: terminated by EC2 even if the budget guard is gone."""

@@ -29,6 +29,16 @@ IMAGE_PROVIDERS = ("vast", "runpod")  # the instance is created from the image
 DOCKER_PROVIDERS = ("aws",)  # a VM with a Docker engine (the Deep Learning AMI has one)
 DEFAULT_IMAGE = "ghcr.io/gpuctl/trainer:0.1.0"
 IMAGE_PYTHON = "python"  # the image's venv python, first on its PATH
+# What a node's start-up runs at every start of its container or machine (Vast: onstart; RunPod:
+# images/entrypoint.sh; AWS: a cloud-init per-boot script): the budget guards' boot hook in the
+# node's workdir ($GPUCTL_WORKDIR where provider.workdir is set, else $HOME/gpuctl), which starts
+# each guard again that is not running (flows/guard.py). Nothing happens before `up` wrote one.
+BOOT_HOOK = 'h="${GPUCTL_WORKDIR:-${HOME:-/root}/gpuctl}/guard/boot.sh"; if [ -f "$h" ]; then bash "$h"; fi'
+
+
+def workdir_env(prov: CloudProvider) -> dict[str, str]:
+    """The env a created instance gets for BOOT_HOOK: provider.workdir, where it is set."""
+    return {"GPUCTL_WORKDIR": prov.workdir} if prov.workdir else {}
 
 
 @dataclass
@@ -47,10 +57,13 @@ class UpOptions:
 
 @dataclass
 class SelfTeardown:
-    """What the node runs after the run to delete itself; secrets travel in `env`, never argv."""
+    """What the node runs after the run to delete itself; secrets travel in `env`, never argv.
+    `check`: a read-only dry run of the same vendor calls with the same env (the key sees the
+    instances, the endpoint answers from the node), which `up` runs at once; None: none to run."""
 
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    check: list[str] | None = None
 
 
 @dataclass
@@ -101,6 +114,11 @@ class ProviderBackend(ABC):
     @abstractmethod
     def self_teardown(self, cluster: ClusterRecord) -> SelfTeardown | None:
         """What a node runs to delete itself (teardown after-train, budget cap); None: nothing to delete."""
+
+    def node_teardown(self, cluster: ClusterRecord, node: NodeRecord) -> SelfTeardown | None:
+        """What `node` runs to delete itself alone: every node of a capped cluster keeps a guard
+        of its own that does it a little after the cap (flows/guard.py); None: nothing to delete."""
+        return None
 
     def backstop(self, cluster: ClusterRecord, node: NodeRecord, minutes: int) -> list[str] | None:
         """A command `up` runs on each node of a capped cluster as a second line of defence behind

@@ -53,6 +53,7 @@ def wait_ready(
             )
         time.sleep(cloud.POLL_S)
     node.address, node.port, node.user = inst.address, inst.port, inst.user
+    node.price_per_hour = inst.price_per_hour or node.price_per_hour  # the bill, not the offer's estimate
     node.private_address = inst.private_address
     node.host_id = inst.host or node.host_id
     wait_for_ssh(inst.address, inst.port, deadline, say=say)

@@ -10,6 +10,9 @@ describe, terminate, list_instances, self_teardown). This module owns the rules 
   second Ctrl-C cannot cut the terminate calls short, only the wait for the vendor to confirm,
   and what is not confirmed gone stays recorded for `gpuctl down`;
 - ready means SSH answers with a banner and a command runs, not the vendor saying "running";
+- the price a vendor bills a booted node (Instance.price_per_hour, where its API says one)
+  replaces the offer's estimate, and the budget cap follows it (prices.py: every cap counts
+  what the run's earlier clusters spent);
 - `down` terminates the recorded instances and any the vendor lists under the record's labels
   without an id in it, then polls the vendor's own list until they are gone.
 gpuctl logs in with the cluster's own ed25519 key (provision/mesh.py's keypair, under the
@@ -39,6 +42,7 @@ from provision.providers.base import (
     resolve_runtime,
 )
 from provision.providers.labels import cluster_of, new_labels
+from provision.providers.prices import budget_hours, cluster_cap, not_spent
 from provision.transport.remote import Node
 from provision.transport.ssh import mesh
 
@@ -60,7 +64,7 @@ class Instance:
     label: str = ""
     private_address: str | None = None  # where the other nodes reach it (AWS: inside the VPC)
     host: str = ""  # the vendor's machine behind it, where its API names one (runpod: machineId)
-    price_per_hour: float | None = None  # what the vendor bills it, where its listing says
+    price_per_hour: float | None = None  # what the vendor bills it, where its API says (runpod: costPerHr)
 
 
 def planned_node(i: int, offer: Offer, label: str) -> NodeRecord:
@@ -86,16 +90,6 @@ def price_of(value: object) -> float | None:
 
 class LostHostAgain(NoOfferError):
     """The vendor placed a new instance on a host the run lost (it chose the machine, not gpuctl)."""
-
-
-def budget_hours(
-    prov: CloudProvider, price_per_hour: float, spent_hours: float = 0.0, spent_cost: float = 0.0
-) -> float | None:
-    """Hours this cluster may run; spent_*: earlier clusters of the same run (a recovered node)."""
-    caps = [prov.max_hours - spent_hours] if prov.max_hours else []
-    if prov.max_cost and price_per_hour > 0:
-        caps.append((prov.max_cost - spent_cost) / price_per_hour)
-    return min(caps) if caps else None
 
 
 # --- the shared flow ------------------------------------------------------------------------------
@@ -172,12 +166,8 @@ class CloudBackend(ProviderBackend):
             )
         picks = self.picks(offers, prov.nodes)
         price = sum(o.price_per_hour for o in picks)
-        cap = budget_hours(prov, price, opts.spent_hours, opts.spent_cost)
-        if cap is not None and cap <= 0:
-            raise GpuctlError(
-                f"the budget cap is spent ({opts.spent_hours:.2f} h, ${opts.spent_cost:.2f} so far)",
-                "raise provider.max_hours / max_cost",
-            )
+        cap = budget_hours(prov, price, spent_hours=opts.spent_hours, spent_cost=opts.spent_cost)
+        not_spent(cap, opts.spent_hours, opts.spent_cost)
         for i, offer in enumerate(picks):
             opts.say(f"{self.kind} node {i}: {describe_offer(offer)}")
         span = (f"{cap:.2f} h" if cap >= 1 else f"{cap * 60:.1f} min") if cap else ""
@@ -223,10 +213,25 @@ class CloudBackend(ProviderBackend):
                 self._create_and_boot(cfg, record, picks, created, public_key, opts.say)
                 for node in record.nodes:
                     self.check_not_excluded(record, node, opts.exclude_hosts)
+                self._billed(prov, record, opts.say)
             except BaseException as exc:  # Ctrl-C, SIGTERM, SIGHUP included: leave nothing behind
                 self._abort(record, created, labels, opts.say, exc)
                 raise
         return record
+
+    def _billed(self, prov: CloudProvider, record: ClusterRecord, say: Callable[[str], None]) -> None:
+        """The price the vendor bills the booted nodes (their describe answer, where it says one)
+        replaces the offers' estimate, and the cap follows it, counting what was spent before."""
+        price = round(sum(n.price_per_hour or 0.0 for n in record.nodes), 4)
+        if abs(price - (record.price_per_hour or 0.0)) < 0.0005:
+            return
+        record.price_per_hour = price
+        record.budget_hours = cluster_cap(prov, record)
+        not_spent(record.budget_hours, record.spent_hours, record.spent_cost)
+        say(
+            f"{self.kind} bills ${price:.3f}/h"
+            + (f"; budget cap {record.budget_hours:.2f} h" if record.budget_hours else "")
+        )
 
     def _create_and_boot(
         self,

@@ -5,7 +5,10 @@
   a bounded number of times, honouring Retry-After; then one clear ProviderError;
 - 401/403 become AuthError naming where the key came from, never the key itself;
 - 404 becomes ApiNotFound so terminate() can treat "already gone" as success; another 4xx is
-  ApiRefused with the body's reason (msg/error/detail, or a GraphQL reply's errors[] messages).
+  ApiRefused with the body's reason (msg/error/detail, or a GraphQL reply's errors[] messages);
+- a redirect is followed only within the API's origin (scheme, host, port): urllib's default
+  handler re-sends every header, the key's included, to wherever a 30x points; off the origin
+  it is one error line and the other host is never contacted.
 Every message passes through `redact`, so even a server that echoes the key back cannot leak it.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,6 +61,44 @@ class ApiRefused(ProviderError):
         super().__init__(message)
         self.status = status
         self.detail = detail
+
+
+class _OffOrigin(Exception):
+    """A 30x pointing away from the API's origin: the request with the key is not sent there."""
+
+    def __init__(self, target: str):
+        super().__init__(target)
+        self.target = target
+
+
+def origin(url: str) -> tuple[str, str, int | None]:
+    """(scheme, host, port) with the scheme's default port filled in: what a redirect may not leave."""
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port or {"http": 80, "https": 443}.get(scheme)
+    except ValueError:  # a port that is not a number: no origin matches it
+        port = -1
+    return scheme, (parts.hostname or "").lower(), port
+
+
+class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
+    def redirect_request(
+        self,
+        req: urllib.request.Request,
+        fp: Any,
+        code: int,
+        msg: str,
+        headers: Any,
+        newurl: str,
+    ) -> urllib.request.Request | None:
+        if origin(newurl) != origin(req.full_url):
+            fp.close()
+            raise _OffOrigin(newurl)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+_OPENER = urllib.request.build_opener(_SameOriginRedirects)  # replaces the default redirect handler
 
 
 class _Transient(Exception):
@@ -154,8 +196,15 @@ class JsonApi:
             },
         )
         try:
-            with urllib.request.urlopen(req, timeout=self.retry.timeout_s) as resp:
+            with _OPENER.open(req, timeout=self.retry.timeout_s) as resp:
                 raw = resp.read()
+        except _OffOrigin as off:
+            there = origin(off.target)
+            raise ProviderError(
+                f"{self.vendor} API redirected {method} {path or '/'} to another origin "
+                f"({redact(f'{there[0]}://{there[1]}:{there[2]}', self._key)}); the API key is not sent there",
+                "set provider.api_url to the API's own address",
+            ) from None
         except urllib.error.HTTPError as err:
             self._raise_for(err, method, path)
         except (urllib.error.URLError, OSError) as err:  # refused, reset, DNS, timeout

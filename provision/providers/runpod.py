@@ -9,8 +9,10 @@ parsed as query syntax. tests/test_cloud_oracle_runpod.py compares the two.
   generate_gpu_query) and never scales them; the spot input names its bid bidPerGpu (docs
   "Create Spot Pod": bidPerGpu: 0.2, gpuCount: 1) with minimumBidPrice its floor; dstack's
   catalog (gpuhunt) prices a pod as gpu_count x the per-GPU price. So an offer is per GPU x
-  gpus_per_node, and once a pod exists its own costPerHr (what RunPod bills the pod) replaces
-  that estimate in the record, so `status` cost and the budget cap follow the bill.
+  gpus_per_node, and once a pod runs its own costPerHr (what RunPod bills the pod, in its pod
+  answer) replaces that estimate in the record (cloud.py), so `status` cost and the budget cap
+  follow the bill; the cap still counts what the run's earlier clusters spent. A price field
+  that is nan, negative or not a number is an error naming it; null or 0 means none offered.
 - create: podFindAndDeployOnDemand(input: {name, imageName, gpuTypeId, gpuCount, cloudType,
   containerDiskInGb, volumeInGb, minMemoryInGb, ports: "22/tcp", supportPublicIp, startSsh,
   env: [{key, value}]}) -> id; podRentInterruptable(input: {..., bidPerGpu}) for spot. The pod
@@ -34,16 +36,18 @@ URLs); key from $RUNPOD_API_KEY or ~/.runpod/config.toml (apikey / api_key).
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
 
 from provision.core.errors import AuthError, NoOfferError, ProviderError
 from provision.core.provider_config import CloudProvider, RunPodProvider
-from provision.core.state import ClusterRecord
-from provision.providers.base import Offer, SelfTeardown
-from provision.providers.cloud import CloudBackend, Instance, budget_hours, price_of
+from provision.core.state import ClusterRecord, NodeRecord
+from provision.providers.base import Offer, SelfTeardown, workdir_env
+from provision.providers.cloud import CloudBackend, Instance, price_of
 from provision.providers.http import ApiRefused, JsonApi, load_key
+from provision.providers.prices import vendor_price
 from provision.providers.teardown import http_teardown, node_last
 
 API_URL = "https://api.runpod.io/graphql"
@@ -68,6 +72,7 @@ DEPLOY_SPOT = """mutation DeploySpot($input: PodRentInterruptableInput!) {
 POD_FIELDS = "id name desiredStatus costPerHr machineId runtime { uptimeInSeconds ports { ip isIpPublic privatePort publicPort type } }"
 POD = f"query Pod($input: PodFilter!) {{ pod(input: $input) {{ {POD_FIELDS} }} }}"
 PODS = f"query Pods {{ myself {{ pods {{ {POD_FIELDS} }} }} }}"
+POD_CHECK = "query Pod($input: PodFilter!) { pod(input: $input) { id desiredStatus } }"
 TERMINATE = "mutation Terminate($input: PodTerminateInput!) { podTerminate(input: $input) }"
 
 
@@ -117,6 +122,9 @@ def _instance(raw: dict[str, Any]) -> Instance:
         None,
     )
     booting = "RUNNING (image pulling)" if status == "RUNNING" and ssh is None else status
+    billed = raw.get("costPerHr")  # what RunPod bills the pod; a value that is no price is not used
+    if isinstance(billed, bool) or not isinstance(billed, (int, float)) or not math.isfinite(billed) or billed <= 0:
+        billed = None
     return Instance(
         id=str(raw["id"]),
         state=booting,
@@ -127,7 +135,7 @@ def _instance(raw: dict[str, Any]) -> Instance:
         user="root",
         label=str(raw.get("name") or ""),
         host=str(raw.get("machineId") or ""),
-        price_per_hour=price_of(raw.get("costPerHr")),
+        price_per_hour=price_of(raw.get("costPerHr")) or None,  # what RunPod bills the pod; 0 is no price
     )
 
 
@@ -163,10 +171,12 @@ class RunPodBackend(CloudBackend):
             for cloud, alias in (("SECURE", "secure"), ("COMMUNITY", "community")):
                 price = gpu.get(alias) or {}
                 per_gpu = price.get("minimumBidPrice") if prov.interruptible else price.get("uninterruptablePrice")
+                if prov.cloud_type not in ("ALL", cloud) or per_gpu is None or per_gpu == 0:
+                    continue  # null (or 0): RunPod has none of it to offer
+                field = "minimumBidPrice" if prov.interruptible else "uninterruptablePrice"
+                per_gpu = vendor_price(per_gpu, f"RunPod's {field} of {gpu.get('id')!r} ({cloud} cloud)")
                 if prov.interruptible and prov.bid_per_gpu:
-                    per_gpu = max(prov.bid_per_gpu, per_gpu or 0) if per_gpu else None
-                if prov.cloud_type not in ("ALL", cloud) or not per_gpu:
-                    continue
+                    per_gpu = max(prov.bid_per_gpu, per_gpu)
                 total = per_gpu * prov.gpus_per_node
                 if prov.max_price and total > prov.max_price:
                     continue
@@ -203,6 +213,7 @@ class RunPodBackend(CloudBackend):
                 {"key": "SSH_PUBLIC_KEY", "value": public_key},
                 {"key": "GPUCTL_SSHD", "value": "1"},
                 {"key": "GPUCTL_CLUSTER", "value": cluster.name},
+                *({"key": k, "value": v} for k, v in workdir_env(prov).items()),  # the entrypoint's boot hook
             ],
         }
         if prov.interruptible:
@@ -214,11 +225,6 @@ class RunPodBackend(CloudBackend):
             raise NoOfferError(
                 "RunPod did not deploy a pod (no id returned)", "retry later, or change provider.gpu / cloud_type"
             )
-        billed = data.get("costPerHr")
-        if isinstance(billed, (int, float)) and billed > 0 and abs(billed - offer.price_per_hour) > 0.0005:
-            # what RunPod bills this pod, not our per-GPU x count estimate: cost and cap follow it
-            cluster.price_per_hour = round((cluster.price_per_hour or 0.0) - offer.price_per_hour + billed, 4)
-            cluster.budget_hours = budget_hours(prov, cluster.price_per_hour)
         return str(data["id"])
 
     def account_missing(self) -> str | None:
@@ -250,12 +256,24 @@ class RunPodBackend(CloudBackend):
 
     def self_teardown(self, cluster: ClusterRecord) -> SelfTeardown | None:
         """The node sends podTerminate for the cluster's pods, its own last."""
-        ids = node_last(cluster)
-        if not ids:
-            return None
-        client = api(cluster.api_url)
-        calls = [(client.base_url, json.dumps({"query": TERMINATE, "variables": {"input": {"podId": i}}})) for i in ids]
-        return http_teardown(cluster.python, "POST", calls, client.secret())
+        return _teardown(cluster, node_last(cluster))
+
+    def node_teardown(self, cluster: ClusterRecord, node: NodeRecord) -> SelfTeardown | None:
+        return _teardown(cluster, [node.instance_id] if node.instance_id else [])
+
+
+def _teardown(cluster: ClusterRecord, ids: list[str]) -> SelfTeardown | None:
+    """podTerminate each pod; the check asks for each pod (the same key, from the node)."""
+    if not ids:
+        return None
+    client = api(cluster.api_url)
+
+    def body(query: str, pod: str) -> str:
+        return json.dumps({"query": query, "variables": {"input": {"podId": pod}}})
+
+    calls = [(client.base_url, body(TERMINATE, i)) for i in ids]
+    checks = [(client.base_url, body(POD_CHECK, i), i) for i in ids]
+    return http_teardown(cluster.python, "POST", calls, client.secret(), check_method="POST", checks=checks)
 
 
 BACKEND = RunPodBackend()

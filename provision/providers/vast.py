@@ -4,7 +4,8 @@ vastai/api/{offers,instances,keys}.py) sends it; tests/test_cloud_oracle_vast.py
 - search: POST /api/v0/bundles/ {"field": {"op": value}, order, type, allocated_storage, limit}
   with the client's defaults verified/external=false/rentable/rented. Units as the API has them:
   cpu_ram in MB (the client multiplies GB by 1000), disk_space in GB, dph_total in $/h for the
-  whole offer (its GPUs plus `allocated_storage` GB of disk).
+  whole offer (its GPUs plus `allocated_storage` GB of disk). A dph_total or min_bid that is
+  nan, 0, negative or not a number is an error naming the field: no cost or cap could hold.
 - create: PUT /api/v0/asks/{offer_id}/ {client_id: "me", image, disk, label, env, onstart,
   runtype: "ssh_direc ssh_proxy", cancel_unavail: true} -> {"success": true, "new_contract": id}.
   ssh_direc + ssh_proxy: a direct port where the host has one, Vast's proxy always (what the
@@ -33,10 +34,11 @@ from urllib.parse import quote_plus
 
 from provision.core.errors import AuthError, ProviderError
 from provision.core.provider_config import CloudProvider, VastProvider
-from provision.core.state import ClusterRecord
-from provision.providers.base import Offer, SelfTeardown
+from provision.core.state import ClusterRecord, NodeRecord
+from provision.providers.base import BOOT_HOOK, Offer, SelfTeardown, workdir_env
 from provision.providers.cloud import CloudBackend, Instance, price_of
 from provision.providers.http import ApiNotFound, JsonApi, load_key
+from provision.providers.prices import vendor_price
 from provision.providers.teardown import http_teardown, node_last
 
 API_URL = "https://console.vast.ai"
@@ -63,6 +65,8 @@ names=$(cut -d= -f1 "$new" | paste -sd'|' -)
 grep -vE "^(${names:-^})=" /etc/environment 2>/dev/null >> "$new"
 chmod 644 "$new" && mv -f "$new" /etc/environment
 """
+# Then a capped node's budget guards start again after a container restart (flows/guard.py).
+ONSTART += f"# gpuctl: the budget guards' boot hook\n{BOOT_HOOK}\n"
 
 
 def api(api_url: str | None) -> JsonApi:
@@ -103,7 +107,7 @@ def create_body(prov: VastProvider, cluster: ClusterRecord, label: str, offer: O
         "image": prov.image,
         "disk": prov.disk_gb,
         "label": label,
-        "env": {"GPUCTL_CLUSTER": cluster.name},
+        "env": {"GPUCTL_CLUSTER": cluster.name, **workdir_env(prov)},
         "onstart": ONSTART,
         "runtype": RUNTYPE,
         "cancel_unavail": True,
@@ -117,15 +121,22 @@ def bid_of(prov: VastProvider, raw: dict[str, Any]) -> float:
     """The bid for one bid offer ($/h per machine): bid_per_gpu x its GPUs, else the offer's minimum."""
     if prov.bid_per_gpu:
         return prov.bid_per_gpu * int(raw.get("num_gpus") or 0)
-    return float(raw.get("min_bid") or raw["dph_total"])
+    if raw.get("min_bid") in (None, 0):
+        return _price(raw, "dph_total")
+    return _price(raw, "min_bid")
+
+
+def _price(raw: dict[str, Any], field: str) -> float:
+    return vendor_price(raw.get(field), f"Vast.ai offer {str(raw.get('id'))[:20]}: {field}")
 
 
 def _offer(raw: dict[str, Any], prov: VastProvider) -> Offer:
+    dph_total = _price(raw, "dph_total")  # checked for a bid offer too: `offers` shows it
     return Offer(
         id=str(raw["id"]),
         gpu_name=raw.get("gpu_name", "?"),
         num_gpus=int(raw.get("num_gpus") or 0),
-        price_per_hour=bid_of(prov, raw) if prov.interruptible else float(raw["dph_total"]),
+        price_per_hour=bid_of(prov, raw) if prov.interruptible else dph_total,
         ram_gb=(raw.get("cpu_ram") or 0) / MB_PER_GB or None,
         disk_gb=raw.get("disk_space"),
         where=raw.get("geolocation") or "",
@@ -262,12 +273,20 @@ class VastBackend(CloudBackend):
 
     def self_teardown(self, cluster: ClusterRecord) -> SelfTeardown | None:
         """The node DELETEs the cluster's instances, its own last."""
-        ids = node_last(cluster)
-        if not ids:
-            return None
-        client = api(cluster.api_url)
-        calls = [(f"{client.base_url}/api/v0/instances/{i}/", "{}") for i in ids]
-        return http_teardown(cluster.python, "DELETE", calls, client.secret())
+        return _teardown(cluster, node_last(cluster))
+
+    def node_teardown(self, cluster: ClusterRecord, node: NodeRecord) -> SelfTeardown | None:
+        return _teardown(cluster, [node.instance_id] if node.instance_id else [])
+
+
+def _teardown(cluster: ClusterRecord, ids: list[str]) -> SelfTeardown | None:
+    """DELETE each instance; the check GETs each one (the same key, from the node)."""
+    if not ids:
+        return None
+    client = api(cluster.api_url)
+    calls = [(f"{client.base_url}/api/v0/instances/{i}/", "{}") for i in ids]
+    checks = [(f"{client.base_url}/api/v0/instances/{i}/?owner=me", "", i) for i in ids]
+    return http_teardown(cluster.python, "DELETE", calls, client.secret(), check_method="GET", checks=checks)
 
 
 BACKEND = VastBackend()
