@@ -40,12 +40,15 @@ from typing import Any
 from provision.core.errors import NoOfferError, ProviderError
 from provision.core.provider_config import CloudProvider, RunPodProvider
 from provision.core.state import ClusterRecord
+from provision.core.terminal import scrub
+from provision.providers.answers import RunPodGpu, RunPodPod, RunPodPrice, items, obj, read
 from provision.providers.base import Offer, SelfTeardown
 from provision.providers.cloud import CloudBackend, Instance, budget_hours
 from provision.providers.http import ApiRefused, JsonApi, load_key
 from provision.providers.teardown import http_teardown, node_last
 
 API_URL = "https://api.runpod.io/graphql"
+VENDOR = "RunPod"
 KEY_ENV = "RUNPOD_API_KEY"
 KEY_FILES = [Path("~/.runpod/config.toml")]
 FAILED = ("EXITED", "TERMINATED")
@@ -89,10 +92,11 @@ def gql(
         raise _error(exc.detail or f"HTTP {exc.status}", f" (HTTP {exc.status})") from None
     errors = answer.get("errors") if isinstance(answer, dict) else None
     if errors:
-        text = "; ".join(str(e.get("message", e)) if isinstance(e, dict) else str(e) for e in errors)[:300]
-        raise _error(text)
+        listed = errors if isinstance(errors, list) else [errors]
+        text = "; ".join(str(e.get("message", e)) if isinstance(e, dict) else str(e) for e in listed)[:300]
+        raise _error(scrub(text))
     data = answer.get("data") if isinstance(answer, dict) else None
-    return data or {}
+    return obj(data, VENDOR, "a query")
 
 
 def _error(text: str, status: str = "") -> ProviderError:
@@ -104,28 +108,22 @@ def _error(text: str, status: str = "") -> ProviderError:
     return ProviderError(f"RunPod API error{status}: {text}")
 
 
-def _instance(raw: dict[str, Any]) -> Instance:
-    status = raw.get("desiredStatus") or "PROVISIONING"
-    ports = ((raw.get("runtime") or {}).get("ports")) or []
-    ssh = next(
-        (
-            p
-            for p in ports
-            if p.get("privatePort") == 22 and p.get("isIpPublic") and p.get("type") == "tcp" and p.get("ip")
-        ),
-        None,
-    )
+def _instance(raw: object) -> Instance:
+    pod = read(RunPodPod, raw, VENDOR, "a pod")
+    status = pod.desiredStatus or "PROVISIONING"
+    ports = (pod.runtime.ports if pod.runtime else None) or []
+    ssh = next((p for p in ports if p.privatePort == 22 and p.isIpPublic and p.type == "tcp" and p.ip), None)
     booting = "RUNNING (image pulling)" if status == "RUNNING" and ssh is None else status
     return Instance(
-        id=str(raw["id"]),
+        id=str(pod.id),
         state=booting,
-        ready=status == "RUNNING" and ssh is not None,
+        ready=status == "RUNNING" and ssh is not None and ssh.publicPort is not None,
         failed=status in FAILED,
-        address=ssh["ip"] if ssh else None,
-        port=int(ssh["publicPort"]) if ssh else 22,
+        address=ssh.ip if ssh else None,
+        port=(ssh.publicPort or 22) if ssh else 22,
         user="root",
-        label=raw.get("name") or "",
-        host=str(raw.get("machineId") or ""),
+        label=pod.name or "",
+        host=str(pod.machineId or ""),
     )
 
 
@@ -157,10 +155,11 @@ class RunPodBackend(CloudBackend):
             },
         )
         offers = []
-        for gpu in data.get("gpuTypes") or []:
-            for cloud, alias in (("SECURE", "secure"), ("COMMUNITY", "community")):
-                price = gpu.get(alias) or {}
-                per_gpu = price.get("minimumBidPrice") if prov.interruptible else price.get("uninterruptablePrice")
+        for raw in items(data.get("gpuTypes"), VENDOR, "the GPU types"):
+            gpu = read(RunPodGpu, raw, VENDOR, "a GPU type")
+            for cloud, price in (("SECURE", gpu.secure), ("COMMUNITY", gpu.community)):
+                price = price or RunPodPrice()
+                per_gpu = price.minimumBidPrice if prov.interruptible else price.uninterruptablePrice
                 if prov.interruptible and prov.bid_per_gpu:
                     per_gpu = max(prov.bid_per_gpu, per_gpu or 0) if per_gpu else None
                 if prov.cloud_type not in ("ALL", cloud) or not per_gpu:
@@ -171,11 +170,11 @@ class RunPodBackend(CloudBackend):
                 offers.append(
                     Offer(
                         id=cloud,
-                        gpu_name=gpu.get("displayName") or gpu["id"],
+                        gpu_name=gpu.displayName or gpu.id,
                         num_gpus=prov.gpus_per_node,
                         price_per_hour=round(total, 4),
                         ram_gb=prov.min_ram_gb or None,
-                        where=f"{cloud} cloud, ${per_gpu:.3f}/h per GPU, stock {price.get('stockStatus') or '?'}",
+                        where=f"{cloud} cloud, ${per_gpu:.3f}/h per GPU, stock {price.stockStatus or '?'}",
                         spot=prov.interruptible,
                     )
                 )
@@ -208,16 +207,18 @@ class RunPodBackend(CloudBackend):
             data = gql(api(cluster.api_url), DEPLOY_SPOT, {"input": pod}, idempotent=False).get("podRentInterruptable")
         else:
             data = gql(api(cluster.api_url), DEPLOY, {"input": pod}, idempotent=False).get("podFindAndDeployOnDemand")
-        if not data or not data.get("id"):
+        if not data or (isinstance(data, dict) and not data.get("id")):
             raise NoOfferError(
                 "RunPod did not deploy a pod (no id returned)", "retry later, or change provider.gpu / cloud_type"
             )
-        billed = data.get("costPerHr")
+        # (an id that is no id: the abort finds what this deploy made by its name, the label)
+        deployed = read(RunPodPod, data, VENDOR, "the deploy")
+        billed = deployed.costPerHr
         if isinstance(billed, (int, float)) and billed > 0 and abs(billed - offer.price_per_hour) > 0.0005:
             # what RunPod bills this pod, not our per-GPU x count estimate: cost and cap follow it
             cluster.price_per_hour = round((cluster.price_per_hour or 0.0) - offer.price_per_hour + billed, 4)
             cluster.budget_hours = budget_hours(prov, cluster.price_per_hour)
-        return str(data["id"])
+        return str(deployed.id)
 
     def describe(self, cluster: ClusterRecord, instance_id: str) -> Instance | None:
         try:
@@ -236,8 +237,8 @@ class RunPodBackend(CloudBackend):
                 raise  # it still exists: the error was real
 
     def list_instances(self, cluster: ClusterRecord) -> list[Instance]:
-        pods = (gql(api(cluster.api_url), PODS).get("myself") or {}).get("pods") or []
-        return [_instance(p) for p in pods]
+        me = obj(gql(api(cluster.api_url), PODS).get("myself"), VENDOR, "the list of pods")
+        return [_instance(p) for p in items(me.get("pods"), VENDOR, "the list of pods")]
 
     def self_teardown(self, cluster: ClusterRecord) -> SelfTeardown | None:
         """The node sends podTerminate for the cluster's pods, its own last."""
