@@ -67,6 +67,10 @@ class FakeApi:
     # Called in the serving thread as each request arrives, before it is answered, with its method
     # and path: it may signal the client (a Ctrl-C at that request) or block (a slow vendor).
     on_request: Callable[[str, str], None] | None = None
+    # Rewrites each answer (method, path, request body, answer) -> what is sent instead: a vendor
+    # that answers in another shape (tests/test_hardening_vendor_answers.py). The fake's own state
+    # changed as for the true answer (an instance it reports badly is still created).
+    mangle: Callable[[str, str, object, object], object] | None = None
 
     def __post_init__(self):
         self.lock = threading.RLock()
@@ -140,9 +144,11 @@ class FakeApi:
                 status, answer = self.handle(req.command, split.path, body, query)
             except ApiError as err:
                 status, answer = err.status, err.body
+            if self.mangle is not None:
+                answer = self.mangle(req.command, split.path, body, answer)
         self._reply(req, status, answer)
 
-    def _reply(self, req: BaseHTTPRequestHandler, status: int, body: dict, headers: dict | None = None) -> None:
+    def _reply(self, req: BaseHTTPRequestHandler, status: int, body: object, headers: dict | None = None) -> None:
         data = json.dumps(body).encode()
         req.send_response(status)
         req.send_header("Content-Type", "application/json")
