@@ -174,7 +174,8 @@ def logs(
     run = state.load_run(run_id, None if run_id else cluster_name(config, None))
     if follow and not raw:
         raise typer.Exit(follow_to_end(run, load_if_present(config), verbose=verbose))
-    job.follow(run, typer.echo, until_end=follow, raw=raw, say=say)
+    out = (lambda line: typer.echo(line, color=True)) if raw else typer.echo  # (click strips CSI off a pipe)
+    job.follow(run, out, until_end=follow, raw=raw, say=say)
 
 
 @app.command()
