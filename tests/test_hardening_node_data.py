@@ -310,3 +310,15 @@ def test_a_value_that_does_not_fit_is_never_written_into_a_record(project):
     with pytest.raises(Exception, match="exit_code"):
         state.update_run(run.run_id, exit_code="pwn")
     assert state.load_run(run.run_id).exit_code is None  # the file is untouched: it still loads
+
+
+def test_a_damaged_run_record_of_a_rented_cluster_does_not_keep_its_nodes(project, vast, tmp_path, state_dir):
+    write_config(project, {"kind": "vast", "api_url": vast.url, **node_fields(tmp_path)}, name="runs")
+    cluster.up(load_config(project / "gpuctl.yaml"), UpOptions(assume_yes=True, say=lambda _: None))
+    damaged = state_dir / "runs" / "20260101-000000-hurt.json"
+    damaged.parent.mkdir(parents=True, exist_ok=True)
+    damaged.write_text(json.dumps({"run_id": "20260101-000000-hurt", "cluster": "runs", "pgid": "pwn"}))
+    said: list[str] = []
+    assert cluster.down("runs", say=said.append)
+    assert not vast.instances and state.find_cluster("runs") is None
+    assert any("terminating the cluster's nodes ends its run" in s for s in said)

@@ -101,15 +101,19 @@ def print_offers(offers: list[Offer], title: str) -> None:
     if not offers:
         console.print(f"no offer matches {title.split(' ', 2)[-1]}", highlight=False)
         return
+    from rich.text import Text
+
+    from provision.core.terminal import scrub
+
     table = Table("offer", "GPUs", "$/h", "RAM GB", "disk GB", "where", "reliability", title=title)
-    for o in offers:
+    for o in offers:  # ids, GPU names and places are the vendor's words: scrubbed, no rich markup
         table.add_row(
-            o.id,
-            f"{o.num_gpus} x {o.gpu_name}",
+            Text(scrub(o.id)),
+            Text(scrub(f"{o.num_gpus} x {o.gpu_name}")),
             f"{o.price_per_hour:.3f}" + (" bid" if o.spot else ""),  # interruptible: the bid gpuctl sends
             f"{o.ram_gb:.0f}" if o.ram_gb else "-",
             f"{o.disk_gb:.0f}" if o.disk_gb else "-",
-            o.where or "-",
+            Text(scrub(o.where or "-")),
             f"{o.reliability:.3f}" if o.reliability is not None else "-",
         )
     console.print(table)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from provision.core.terminal import scrub
+from provision.transport import remote
 from provision.transport.remote import TooLarge
 from trainer.objstore.atomic import atomic_write
 
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from provision.transport.remote import Node
 
 MAX_DOC_BYTES = 1 << 20
-READ_BYTES = 4 << 20
+READ_BYTES = remote.READ_BYTES  # what Tail asks of one read
 MAX_LINE = 64 << 10
 MAX_COPY_BYTES = 256 << 20
 MAX_RANKS = 4096
@@ -134,8 +135,6 @@ def _why(err: ValidationError) -> str:
 
 def parse(model: type[Record], text: str) -> dict[str, Any]:
     """The record in `text` as a dict of checked values (the fields it has); BadRecord if it is none."""
-    if len(text) > MAX_LINE and model is not NodeSummary:
-        raise BadRecord(f"a line of {len(text):,} characters (at most {MAX_LINE:,})")
     try:
         value = json.loads(text)
     except (ValueError, RecursionError):  # JSONDecodeError, and ints of more than 4300 digits
@@ -166,6 +165,9 @@ def parse_lines(model: type[Record], lines: list[str]) -> tuple[list[dict[str, A
     bad: list[str] = []
     for line in lines:
         if not line.strip():
+            continue
+        if len(line) > MAX_LINE:
+            bad.append(f"a line of {len(line):,} characters (at most {MAX_LINE:,})")
             continue
         try:
             good.append(parse(model, line))

@@ -235,21 +235,21 @@ class LocalNode(Node):
         try:
             with open(path, "rb") as fh:
                 return read_whole(fh, os.fstat(fh.fileno()).st_size, path, limit)
-        except (FileNotFoundError, IsADirectoryError, PermissionError):
+        except OSError:  # missing, a folder, no permission: like `[ -f ] && cat` failing
             return None
 
     def read_new(self, path: str, offset: int, limit: int = READ_BYTES) -> tuple[str, int]:
         try:
             with open(path, "rb") as fh:
                 return read_from(fh, os.fstat(fh.fileno()).st_size, offset, limit)
-        except (FileNotFoundError, IsADirectoryError, PermissionError):
+        except OSError:  # missing, a folder, no permission: like `[ -f ] && cat` failing
             return "", offset
 
     def last_line(self, path: str) -> str:
         try:
             with open(path, "rb") as fh:
                 return last_line_of(fh, os.fstat(fh.fileno()).st_size)
-        except (FileNotFoundError, IsADirectoryError, PermissionError):
+        except OSError:  # missing, a folder, no permission: like `[ -f ] && cat` failing
             return ""
 
     def put_dir(self, local: Path, remote: str) -> None:
