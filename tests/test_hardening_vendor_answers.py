@@ -90,6 +90,28 @@ def test_a_malformed_vast_answer_is_one_line_and_leaves_nothing_rented(project, 
     assert not vast_fake.instances  # what a create made was terminated, a hidden id included
 
 
+def test_an_unreadable_entry_in_the_vendors_list_does_not_stop_down(project, vast_fake, tmp_path):
+    from provision.core.config import load_config
+    from provision.flows import cluster
+    from provision.providers.base import UpOptions
+
+    write_config(project, {"kind": "vast", "api_url": vast_fake.url, **node_fields(tmp_path)}, name="listed")
+    cluster.up(load_config(project / "gpuctl.yaml"), UpOptions(assume_yes=True, say=lambda _: None))
+    assert len(vast_fake.instances) == 1
+
+    def odd_entries(method, path, body, answer):
+        if path != "/api/v1/instances/":
+            return answer
+        ours = [{**row, "ssh_port": "twenty-two"} for row in answer["instances"]]  # ours, unreadable
+        someone_elses = {"id": 99, "label": "not gpuctl's", "ports": ["odd"], "actual_status": {"x": 1}}
+        return {**answer, "instances": [*ours, someone_elses, ["not even an object"]]}
+
+    vast_fake.mangle = odd_entries
+    result = RUNNER.invoke(app, ["down", "--yes"])
+    assert result.exit_code == 0, result.output
+    assert not vast_fake.instances  # ours was terminated and waited for by its id
+
+
 # --- RunPod -------------------------------------------------------------------------------------------
 
 

@@ -9,7 +9,8 @@ its label when the answer did not give a usable id).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -24,6 +25,9 @@ from pydantic import (
 
 from provision.core.errors import ProviderError
 from provision.core.terminal import scrub
+
+if TYPE_CHECKING:
+    from provision.providers.cloud import Instance
 
 M = TypeVar("M", bound=BaseModel)
 FIX = "retry; if it persists, the vendor's API answers in a new way (GPUCTL_DEBUG=1 shows where gpuctl stopped)"
@@ -74,6 +78,30 @@ def items(raw: object, vendor: str, what: str) -> list[Any]:
     if not isinstance(raw, list):
         raise ProviderError(f"{vendor} answered {what} with a JSON {type(raw).__name__} where a list belongs", FIX)
     return raw
+
+
+class Listed(Answer):
+    """What is left to know of a listed instance whose other fields do not read."""
+
+    id: Id
+    label: Text | None = None  # Vast
+    name: Text | None = None  # RunPod
+
+
+def listed(raw: object, parse: Callable[[object], Instance]) -> Instance | None:
+    """One entry of an account's list of instances: in full, or, when its shape does not read,
+    by its id and label alone (an instance gpuctl did not make, in a shape of its own, must not
+    stop `down`; one it made must still be waited for); None when it has not even an id."""
+    from provision.providers.cloud import Instance
+
+    try:
+        return parse(raw)
+    except ProviderError:
+        try:
+            bare = Listed.model_validate(raw)
+        except ValidationError:
+            return None
+        return Instance(id=str(bare.id), state="(unreadable)", label=bare.label or bare.name or "")
 
 
 # --- Vast.ai --------------------------------------------------------------------------------------

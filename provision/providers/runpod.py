@@ -41,7 +41,7 @@ from provision.core.errors import NoOfferError, ProviderError
 from provision.core.provider_config import CloudProvider, RunPodProvider
 from provision.core.state import ClusterRecord
 from provision.core.terminal import scrub
-from provision.providers.answers import RunPodGpu, RunPodPod, RunPodPrice, items, obj, read
+from provision.providers.answers import RunPodGpu, RunPodPod, RunPodPrice, items, listed, obj, read
 from provision.providers.base import Offer, SelfTeardown
 from provision.providers.cloud import CloudBackend, Instance, budget_hours
 from provision.providers.http import ApiRefused, JsonApi, load_key
@@ -238,7 +238,8 @@ class RunPodBackend(CloudBackend):
 
     def list_instances(self, cluster: ClusterRecord) -> list[Instance]:
         me = obj(gql(api(cluster.api_url), PODS).get("myself"), VENDOR, "the list of pods")
-        return [_instance(p) for p in items(me.get("pods"), VENDOR, "the list of pods")]
+        rows = [listed(p, _instance) for p in items(me.get("pods"), VENDOR, "the list of pods")]
+        return [i for i in rows if i is not None]
 
     def self_teardown(self, cluster: ClusterRecord) -> SelfTeardown | None:
         """The node sends podTerminate for the cluster's pods, its own last."""

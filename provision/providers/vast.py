@@ -33,7 +33,7 @@ from urllib.parse import quote_plus
 from provision.core.errors import ProviderError
 from provision.core.provider_config import CloudProvider, VastProvider
 from provision.core.state import ClusterRecord
-from provision.providers.answers import VastContract, VastInstance, VastOffer, VastPort, items, obj, read
+from provision.providers.answers import VastContract, VastInstance, VastOffer, VastPort, items, listed, obj, read
 from provision.providers.base import Offer, SelfTeardown
 from provision.providers.cloud import CloudBackend, Instance
 from provision.providers.http import ApiNotFound, JsonApi, load_key
@@ -256,7 +256,8 @@ class VastBackend(CloudBackend):
         for _page in range(LIST_PAGES_MAX):
             query = "&".join(f"{k}={quote_plus(v if isinstance(v, str) else json.dumps(v))}" for k, v in params.items())
             answer = obj(client.request("GET", f"/api/v1/instances/?{query}"), VENDOR, "the list of instances")
-            found += [_instance(raw) for raw in items(answer.get("instances"), VENDOR, "the list of instances")]
+            rows = [listed(raw, _instance) for raw in items(answer.get("instances"), VENDOR, "the list of instances")]
+            found += [i for i in rows if i is not None]
             if not answer.get("next_token"):
                 return found
             params["after_token"] = answer["next_token"]
