@@ -4,11 +4,24 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from provision.cli.options import ClusterOpt, ConfigOpt, JsonOpt, YesOpt, cluster_name, confirmer, load, say
+from provision.cli.options import (
+    ClusterOpt,
+    ConfigOpt,
+    JsonOpt,
+    YesOpt,
+    cluster_name,
+    confirmer,
+    load,
+    load_if_present,
+    say,
+)
+
+if TYPE_CHECKING:
+    from provision.core.provider_config import CloudProvider
 
 app = typer.Typer()
 
@@ -82,11 +95,16 @@ def offers(
 def down(config: ConfigOpt = None, yes: YesOpt = False, cluster: ClusterOpt = None) -> None:
     """Stop the cluster's runs and terminate or disconnect its machines."""
     from provision.core import state
+    from provision.core.errors import StateError
     from provision.flows import cluster as clusters
     from provision.providers import backend
 
     name = cluster_name(config, cluster)
-    record = state.find_cluster(name)
+    try:
+        record = state.find_cluster(name)
+    except StateError:  # damaged: `down` asks the vendor what runs for it, and asks with that list
+        clusters.down(name, say, fallback=_rented_provider(config, name), confirm=confirmer(yes))
+        return
     if record and backend(record.provider).terminates_nodes and not yes:
         if not confirmer(False)(f"terminate {len(record.nodes)} {record.provider} node(s) of {name}?"):
             raise typer.Exit(1)
@@ -135,6 +153,20 @@ def sweep(
     if found.strays and not yes and not terminated and not as_json:
         say("nothing terminated")
         raise typer.Exit(1)
+
+
+def _rented_provider(config: Optional[Path], name: str) -> CloudProvider | None:
+    """The config's cloud provider when the config is cluster `name`'s (a broken config: None)."""
+    from provision.core.errors import ConfigError
+    from provision.core.provider_config import CloudProvider
+
+    try:
+        cfg = load_if_present(config)
+    except ConfigError:
+        return None
+    if cfg is None or cfg.cluster_name != name or not isinstance(cfg.provider, CloudProvider):
+        return None
+    return cfg.provider
 
 
 @app.command(context_settings={"allow_interspersed_args": False})

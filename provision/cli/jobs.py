@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from provision.core.state import ClusterRecord, RunRecord
 
 app = typer.Typer()
-VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="show job.log verbatim (DeepSpeed's INFO lines too)")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="show all of job.log (DeepSpeed's INFO lines too)")]
 
 
 def follow_to_end(
@@ -36,7 +36,7 @@ def follow_to_end(
         interrupt.answered()  # the detach answers it
         say(f"\ndetached; run {run.run_id} goes on. `gpuctl logs -f` reattaches, `gpuctl cancel` stops it")
         return 130
-    job.fetch_results(run)  # `gpuctl report` works after `down`
+    job.fetch_results(run, say)  # `gpuctl report` works after `down`
     return job.exit_code_of(status)
 
 
@@ -129,6 +129,8 @@ def status(
     try:
         run = state.load_run(run_id, None if run_id else name)
         result = job.read_status(run, job.node_of(run)) if state.find_cluster(run.cluster) else None
+        for note in result.notes if result else []:
+            say(note)
     except NotFoundError:
         run, result = None, None
     except RemoteError as exc:  # e.g. a cloud node that tore itself down (teardown, budget cap)
@@ -160,15 +162,20 @@ def logs(
     config: ConfigOpt = None,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="keep following until the run ends")] = False,
     verbose: VerboseOpt = False,
+    raw: Annotated[
+        bool, typer.Option("--raw", help="the node's bytes as they are, terminal escape sequences included")
+    ] = False,
 ) -> None:
-    """Print a run's job.log; -f follows the run in train's view (-v: the log verbatim), also after a dropped connection."""
+    """Print a run's job.log (terminal escapes scrubbed); -f follows the run in train's view (-v: the whole log),
+    also after a dropped connection."""
     from provision.core import state
     from provision.flows import job
 
     run = state.load_run(run_id, None if run_id else cluster_name(config, None))
-    if follow:
+    if follow and not raw:
         raise typer.Exit(follow_to_end(run, load_if_present(config), verbose=verbose))
-    job.follow(run, typer.echo, until_end=False)
+    out = (lambda line: typer.echo(line, color=True)) if raw else typer.echo  # (click strips CSI off a pipe)
+    job.follow(run, out, until_end=follow, raw=raw, say=say)
 
 
 @app.command()

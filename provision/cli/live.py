@@ -20,6 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from provision.cli.runview import _duration, _num, checkpoint_text, no_mfu, summary_lines, superseded_text
+from provision.core.terminal import scrub
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -43,7 +44,7 @@ def header(info: RunInfo) -> Text:
     run, train, c = info.run, info.train, info.cluster
     if c is not None:
         n = len(c.nodes)
-        gpu = c.nodes[0].gpu_name or ("GPU" if c.nodes[0].accelerator != "cpu" else "CPU rank")
+        gpu = scrub(c.nodes[0].gpu_name or ("GPU" if c.nodes[0].accelerator != "cpu" else "CPU rank"))
         where = (
             f"{c.name} ({c.provider}): {n} node{'s' * (n > 1)} x {c.nodes[0].slots} {gpu}{'s' * (c.nodes[0].slots > 1)}"
         )
@@ -102,7 +103,7 @@ def figures(st: WatchState) -> Table:
         "  ".join(f"rank{i} {gb:.1f} GB" for i, gb in enumerate(mem)) if mem else "n/a (CPU ranks: no GPU memory)",
     )
     shown = checkpoint_text(st.checkpoint)[len("checkpoint ") :] if st.checkpoint else "none yet"
-    grid.add_row("checkpoint", shown + superseded_text(st))
+    grid.add_row("checkpoint", Text(shown + superseded_text(st)))  # the node's tag: no rich markup in it
     grid.add_row("cost", cost_text(info))
     return grid
 
@@ -161,7 +162,7 @@ class LiveSink:
         if self.st is not None and self.st.ended:
             style = "green" if self.st.status and self.st.status.state == "succeeded" else "red"
             self.console.print(
-                Panel("\n".join(summary_lines(self.st)), title="summary", border_style=style, expand=False)
+                Panel(Text("\n".join(summary_lines(self.st))), title="summary", border_style=style, expand=False)
             )
 
     def update(self, st: WatchState, new: Update) -> None:

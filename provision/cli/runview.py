@@ -8,6 +8,7 @@ status.json); of job.log only the lines at WARNING or above are shown.
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 import time
 from typing import Any
@@ -82,7 +83,8 @@ def summary_of(st: WatchState) -> dict[str, Any]:
         "cost": cost,
         "checkpoint": tag,
         "storage": st.info.storage_url,
-        "pull": f"gpuctl ckpt pull {tag} --hf ./{tag}-hf" if tag else None,
+        # the tag is the node's word: quoted, so a pasted line runs `ckpt pull` and nothing else
+        "pull": shlex.join(["gpuctl", "ckpt", "pull", tag, "--hf", f"./{tag}-hf"]) if tag else None,
         "error": s.get("error"),
     }
 
@@ -109,6 +111,10 @@ def summary_lines(st: WatchState) -> list[str]:
         lines.append(f"  checkpoint {s['checkpoint']} in {s['storage']}")
         lines.append(f"  get it as a Hugging Face model: {s['pull']}")
     return lines
+
+
+def _warn(text: str) -> None:
+    typer.echo(text, err=True)
 
 
 def _duration(seconds: float | None) -> str:
@@ -164,8 +170,8 @@ def show_run(
 ) -> job.RunStatus:
     """Follow the run to its end in the mode that fits stdout; its final status. `hook` sees each
     read of the node and each failed one (flows/recover.py: is the node lost?)."""
-    if verbose:  # everything, verbatim: DeepSpeed's launcher and engine lines, compile output, every rank
-        status = job.follow(run, typer.echo, watch=hook, reconnect_s=reconnect_s)
+    if verbose:  # everything: DeepSpeed's launcher and engine lines, compile output, every rank (escapes scrubbed)
+        status = job.follow(run, typer.echo, watch=hook, reconnect_s=reconnect_s, say=_warn)
         typer.echo(f"run {run.run_id} {status.state}", err=True)
         return status
     if as_json:

@@ -31,8 +31,12 @@ def _address(provider: str, node: dict[str, Any]) -> str:
 
 
 def print_status(info: dict[str, Any]) -> None:
+    """Strings that came from a node or a vendor (GPU names, states, reasons) are scrubbed of
+    terminal escapes and printed without rich markup."""
     from rich.console import Console
     from rich.table import Table
+
+    from provision.core.terminal import scrub
 
     console = Console()
     cluster = info.get("cluster")
@@ -48,7 +52,7 @@ def print_status(info: dict[str, Any]) -> None:
             table.add_row(
                 node["host"],
                 str(node["slots"]),
-                node.get("gpu_name") or node["accelerator"],
+                scrub(str(node.get("gpu_name") or node["accelerator"])),
                 _address(cluster["provider"], node),
             )
         console.print(table)
@@ -75,22 +79,23 @@ def print_status(info: dict[str, Any]) -> None:
         return
     loss = run.get("final_loss")
     tps = run.get("tokens_per_s")
-    console.print(
-        f"run {run['run_id']}: [bold]{run.get('state')}[/bold]"
-        f"  step {run.get('steps') or 0}/{run.get('max_steps')}"
-        f"  loss {loss:.4f}"
-        if isinstance(loss, (int, float))
-        else f"run {run['run_id']}: {run.get('state')}",
-        highlight=False,
-    )
+    from rich.text import Text
+
+    line = Text.assemble(f"run {run['run_id']}: ", (scrub(str(run.get("state"))), "bold"))
+    if isinstance(loss, (int, float)):
+        line.append(f"  step {run.get('steps') or 0}/{run.get('max_steps')}  loss {loss:.4f}")
+    console.print(line, highlight=False)
     if isinstance(tps, (int, float)):
         console.print(f"tokens/s {tps:,.0f}  world size {run.get('world_size')}  batch {run.get('train_batch_size')}")
     for i, event in enumerate(run.get("restarts") or [], 1):  # flows/recover.py: one per lost node
         console.print(
-            f"restart {i}, {_ago(event.get('at'))} ago: {event.get('reason')}; instance {event.get('old_instance')} -> "
-            f"{event.get('new_instance')}, resumed from {event.get('resumed_from')} (step {event.get('step')}), "
-            f"cost so far ${event.get('cost_so_far', 0):.2f}",
+            scrub(
+                f"restart {i}, {_ago(event.get('at'))} ago: {event.get('reason')}; instance {event.get('old_instance')} -> "
+                f"{event.get('new_instance')}, resumed from {event.get('resumed_from')} (step {event.get('step')}), "
+                f"cost so far ${event.get('cost_so_far', 0):.2f}"
+            ),
             highlight=False,
+            markup=False,
         )
 
 
@@ -127,15 +132,19 @@ def print_offers(offers: list[Offer], title: str) -> None:
     if not offers:
         console.print(f"no offer matches {title.split(' ', 2)[-1]}", highlight=False)
         return
+    from rich.text import Text
+
+    from provision.core.terminal import scrub
+
     table = Table("offer", "GPUs", "$/h", "RAM GB", "disk GB", "where", "reliability", title=title)
-    for o in offers:
+    for o in offers:  # ids, GPU names and places are the vendor's words: scrubbed, no rich markup
         table.add_row(
-            o.id,
-            f"{o.num_gpus} x {o.gpu_name}",
+            Text(scrub(o.id)),
+            Text(scrub(f"{o.num_gpus} x {o.gpu_name}")),
             f"{o.price_per_hour:.3f}" + (" bid" if o.spot else ""),  # interruptible: the bid gpuctl sends
             f"{o.ram_gb:.0f}" if o.ram_gb else "-",
             f"{o.disk_gb:.0f}" if o.disk_gb else "-",
-            o.where or "-",
+            Text(scrub(o.where or "-")),
             f"{o.reliability:.3f}" if o.reliability is not None else "-",
         )
     console.print(table)

@@ -18,6 +18,7 @@ import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -166,17 +167,46 @@ def _path(kind: str, key: str) -> Path:
     return state_dir() / kind / f"{key}.json"
 
 
+RENTED = ("vast", "runpod", "aws")  # providers whose cluster record owns paid instances
+
+
+def raw_record(path: Path) -> dict[str, Any]:
+    """What a (maybe damaged) record file still says: its JSON object, else {}."""
+    try:
+        value = json.loads(path.read_bytes()[: 1 << 20])
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _damage_fix(path: Path, model: type[BaseModel]) -> str:
+    """The fix for a damaged record. A cluster record may own a rented instance: it is never
+    "delete it" then (that would orphan the instance), `down` terminates what the vendor lists."""
+    if model is RunRecord:
+        return "restore the file, or delete it to make gpuctl forget that run (a run record owns no machine)"
+    name, provider = path.stem, raw_record(path).get("provider")
+    if provider in RENTED:
+        return (
+            f"restore the file, or `gpuctl down --cluster {name}`: it terminates what {provider} lists for the cluster"
+        )
+    if isinstance(provider, str) and provider in ("local", "ssh"):
+        return "restore the file, or delete it to make gpuctl forget that cluster (it rents no machine)"
+    return (
+        f"restore the file, or `gpuctl down -c <the cluster's gpuctl.yaml>`: it terminates what the vendor lists "
+        f"for cluster {name} (do not delete the file while its instances may run)"
+    )
+
+
 def _read(path: Path, model: type[Record]) -> Record:
     """A record from its file; a damaged one is one line naming the file and the field."""
-    fix = "restore the file, or delete it to make gpuctl forget that record"
     try:
         record = model.model_validate_json(path.read_bytes())
     except ValidationError as err:
         first = err.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or "(the JSON itself)"
-        raise StateError(f"{path}: {field}: {first['msg']}", fix) from None
+        raise StateError(f"{path}: {field}: {first['msg']}", _damage_fix(path, model)) from None
     if isinstance(record, ClusterRecord) and not record.nodes:  # (`up` builds one node by node; none is saved empty)
-        raise StateError(f"{path}: nodes: a cluster has at least one node", fix)
+        raise StateError(f"{path}: nodes: a cluster has at least one node", _damage_fix(path, model))
     return record
 
 
@@ -208,6 +238,11 @@ def find_cluster(name: str) -> ClusterRecord | None:
         return None
 
 
+def cluster_file(name: str) -> Path:
+    """Where cluster `name`'s record is (whether or not it exists or loads)."""
+    return _path("clusters", name)
+
+
 def delete_cluster(name: str) -> None:
     path = _path("clusters", name)
     with locked():
@@ -215,8 +250,44 @@ def delete_cluster(name: str) -> None:
 
 
 def list_clusters() -> list[ClusterRecord]:
+    """The clusters whose records are whole; a damaged one concerns only its own cluster (its
+    commands say so), never the others'."""
     folder = state_dir() / "clusters"
-    return [_read(p, ClusterRecord) for p in sorted(folder.glob("*.json"))]
+    found = []
+    for path in sorted(folder.glob("*.json")):
+        try:
+            found.append(_read(path, ClusterRecord))
+        except StateError:
+            continue
+    return found
+
+
+@dataclass
+class Damaged:
+    """A run record that does not load, and the cluster its file still names (None: unreadable)."""
+
+    path: Path
+    error: StateError
+    cluster: str | None
+
+
+def scan_runs(cluster: str | None = None) -> tuple[list[RunRecord], list[Damaged]]:
+    """The runs (of the cluster, when given), oldest first, and the damaged records that may be
+    among them: those naming the cluster, and those too damaged to name one. A damaged record
+    that names another cluster is that cluster's business only."""
+    runs, damaged = [], []
+    for path in (state_dir() / "runs").glob("*.json"):
+        try:
+            run = _read(path, RunRecord)
+        except StateError as err:
+            owner = raw_record(path).get("cluster")
+            owner = owner if isinstance(owner, str) else None
+            if cluster is None or owner in (cluster, None):
+                damaged.append(Damaged(path, err, owner))
+            continue
+        if cluster is None or run.cluster == cluster:
+            runs.append(run)
+    return sorted(runs, key=lambda r: r.created_at), sorted(damaged, key=lambda d: d.path)
 
 
 def scan_clusters() -> tuple[list[ClusterRecord], list[str]]:
@@ -241,10 +312,12 @@ def cluster_busy(name: str) -> bool:
 
 
 def list_runs(cluster: str | None = None) -> list[RunRecord]:
-    folder = state_dir() / "runs"
-    runs = [_read(p, RunRecord) for p in folder.glob("*.json")]
-    runs = [r for r in runs if cluster is None or r.cluster == cluster]
-    return sorted(runs, key=lambda r: r.created_at)
+    """The runs (of the cluster); a damaged record that names the cluster is an error."""
+    runs, damaged = scan_runs(cluster)
+    for bad in damaged:
+        if cluster is None or bad.cluster == cluster:
+            raise bad.error
+    return runs
 
 
 def load_run(run_id: str | None, cluster: str | None = None) -> RunRecord:
@@ -263,7 +336,7 @@ def load_run(run_id: str | None, cluster: str | None = None) -> RunRecord:
 def update_cluster(name: str, **changes: object) -> ClusterRecord:
     path = _path("clusters", name)
     with locked():
-        record = _read(path, ClusterRecord).model_copy(update=changes)
+        record = _changed(_read(path, ClusterRecord), changes)
         atomic_write(path, record.model_dump_json(indent=2) + "\n")
     return record
 
@@ -271,9 +344,15 @@ def update_cluster(name: str, **changes: object) -> ClusterRecord:
 def update_run(run_id: str, **changes: object) -> RunRecord:
     path = _path("runs", run_id)
     with locked():
-        record = _read(path, RunRecord).model_copy(update=changes)
+        record = _changed(_read(path, RunRecord), changes)
         atomic_write(path, record.model_dump_json(indent=2) + "\n")
     return record
+
+
+def _changed(record: Record, changes: dict[str, object]) -> Record:
+    """The record with `changes`, validated like a record read from disk: a value that does not
+    fit (a node's exit code "pwn") is refused here, never written to damage the record."""
+    return type(record).model_validate({**record.model_dump(), **changes})
 
 
 def dump(record: BaseModel) -> dict[str, Any]:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from provision.core import interrupt, state
 from provision.core.config import GpuctlConfig, check_batch
-from provision.core.errors import GpuctlError, RemoteError
+from provision.core.errors import GpuctlError, RemoteError, StateError
 from provision.flows import job
 from provision.providers import backend
 from provision.providers.base import ProviderBackend, UpOptions
+
+if TYPE_CHECKING:
+    from provision.core.provider_config import CloudProvider
 
 ACTIVE = ("starting", "running")
 STOP_GRACE_S = 20.0  # TERM -> KILL for a run's process group in `down`
@@ -103,22 +107,45 @@ def _start_guard(record: state.ClusterRecord, provider: ProviderBackend, opts: U
             node.close()
 
 
-def active_runs(cluster: str) -> list[state.RunRecord]:
-    return [r for r in state.list_runs(cluster) if r.state in ACTIVE]
+def active_runs(cluster: str, say: Callable[[str], None], ends_them: bool) -> list[state.RunRecord]:
+    """The cluster's runs that may still go on. A damaged run record of the cluster is passed over
+    when terminating the nodes ends whatever it describes (`ends_them`); on your own machines it
+    stops `down` (gpuctl cannot tell whether that run still goes on)."""
+    runs, damaged = state.scan_runs(cluster)
+    for bad in damaged:
+        if not ends_them:
+            raise bad.error
+        say(f"warning: {bad.error.message}; terminating the cluster's nodes ends its run, if any")
+    return [r for r in runs if r.state in ACTIVE]
 
 
-def down(name: str, say: Callable[[str], None] = print, *, grace_s: float = STOP_GRACE_S) -> bool:
+def down(
+    name: str,
+    say: Callable[[str], None] = print,
+    *,
+    grace_s: float = STOP_GRACE_S,
+    fallback: CloudProvider | None = None,
+    confirm: Callable[[str], bool] | None = None,
+) -> bool:
     """Stop the cluster's runs, terminate what the provider created, forget the cluster.
 
     Idempotent: a cluster that is already gone is fine. Returns False when nothing was up.
     A run that does not stop within grace_s does not keep paid nodes alive: a provider that
-    terminates its nodes ends it that way (and says so)."""
+    terminates its nodes ends it that way (and says so). A damaged record of a rented cluster
+    is taken down by what the vendor lists for it (flows/damaged.py; `fallback`: the config's
+    provider where the file does not name one, `confirm` asked with the list)."""
     with state.cluster_lock(name, "down"):
-        return _down(name, say, grace_s)
+        try:
+            cluster = state.find_cluster(name)
+        except StateError as damage:
+            from provision.flows.damaged import down_damaged
+
+            down_damaged(name, damage, say, fallback=fallback, confirm=confirm)
+            return True
+        return _down(name, cluster, say, grace_s)
 
 
-def _down(name: str, say: Callable[[str], None], grace_s: float) -> bool:
-    cluster = state.find_cluster(name)
+def _down(name: str, cluster: state.ClusterRecord | None, say: Callable[[str], None], grace_s: float) -> bool:
     if cluster is None:
         say(f"cluster {name} is not up; nothing to do")
         return False
@@ -133,7 +160,7 @@ def _down(name: str, say: Callable[[str], None], grace_s: float) -> bool:
 def _down_cluster(cluster: state.ClusterRecord, say: Callable[[str], None], grace_s: float) -> None:
     name = cluster.name
     provider = backend(cluster.provider)
-    for run in active_runs(name):
+    for run in active_runs(name, say, provider.terminates_nodes):
         say(f"stopping run {run.run_id}")
         try:
             stopped = job.cancel(run, grace_s=grace_s)

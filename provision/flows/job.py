@@ -18,6 +18,7 @@ from provision.core import interrupt, state
 from provision.core.config import GpuctlConfig, check_batch
 from provision.core.credentials import StorageCredentials, storage_credentials, user_secrets
 from provision.core.errors import GpuctlError, RemoteError
+from provision.flows import nodedata
 from provision.flows.render import BundleNode, BundleSpec, render_bundle
 from provision.flows.resume import check_resume
 from provision.providers import backend
@@ -165,12 +166,16 @@ def start_run(
 
 @dataclass
 class RunStatus:
+    """A run as its node reports it; status, summary and last_metrics hold checked values only
+    (flows/nodedata.py), notes the warnings about what the node sent that was left out."""
+
     record: state.RunRecord
     state: str
     exit_code: int | None
     status: dict[str, Any]
     summary: dict[str, Any]
     last_metrics: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -191,32 +196,26 @@ class RunStatus:
         }
 
 
-def _json_or_empty(text: str | None) -> dict[str, Any]:
-    try:
-        value = json.loads(text) if text else {}
-    except json.JSONDecodeError:
-        return {}
-    return value if isinstance(value, dict) else {}  # a JSON list or number is no record either
-
-
 def node_of(run: state.RunRecord) -> Node:
     cluster = state.load_cluster(run.cluster)
     return backend(cluster.provider).nodes(cluster)[0]
 
 
 def read_status(run: state.RunRecord, node: Node) -> RunStatus:
-    status = _json_or_empty(node.read_text(f"{run.run_dir}/status.json"))
-    summary = _json_or_empty(node.read_text(f"{run.run_dir}/summary.json"))
-    tail = node.last_line(f"{run.run_dir}/metrics.jsonl")
+    notes: list[str] = []
+    status = nodedata.read_doc(node, f"{run.run_dir}/status.json", nodedata.NodeStatus, notes)
+    summary = nodedata.read_doc(node, f"{run.run_dir}/summary.json", nodedata.NodeSummary, notes)
+    tail, _bad = nodedata.parse_lines(nodedata.NodeMetric, [node.last_line(f"{run.run_dir}/metrics.jsonl")])
     run_state = status.get("state", run.state)
     if run_state == "running" and run.pgid and not node.group_alive(run.pgid):
         # It may have ended (and written status.json) since the reads above: read them again.
-        status = _json_or_empty(node.read_text(f"{run.run_dir}/status.json")) or status
-        summary = _json_or_empty(node.read_text(f"{run.run_dir}/summary.json")) or summary
+        status = nodedata.read_doc(node, f"{run.run_dir}/status.json", nodedata.NodeStatus, notes) or status
+        summary = nodedata.read_doc(node, f"{run.run_dir}/summary.json", nodedata.NodeSummary, notes) or summary
         run_state = status.get("state", "running")
         if run_state == "running":
             run_state = "lost"  # killed without writing its end (kill -9, node reboot)
-    result = RunStatus(run, run_state, status.get("exit_code"), status, summary, _json_or_empty(tail))
+    last = tail[0] if tail else {}
+    result = RunStatus(run, run_state, status.get("exit_code"), status, summary, last, list(dict.fromkeys(notes)))
     if run_state != run.state or result.exit_code != run.exit_code:
         state.update_run(run.run_id, state=run_state, exit_code=result.exit_code)
     return result
@@ -284,27 +283,41 @@ def follow(
     until_end: bool = True,
     reconnect_s: float = 300,
     watch: FollowWatch | None = None,
+    raw: bool = False,
+    say: Callable[[str], None] | None = None,
 ) -> RunStatus:
-    """Print job.log from the start; with until_end, keep tailing until the run ends.
+    """Print job.log from the start, a line at a time, scrubbed of terminal escapes unless `raw`;
+    with until_end, keep tailing until the run ends. `say` gets each warning about the node's
+    files once (default: out).
 
     A dropped connection is retried until reconnect_s passes without a successful read.
     """
-    offset = 0
+    log, said = nodedata.Tail(f"{run.run_dir}/job.log"), set()
 
-    def poll(node: Node) -> tuple[RunStatus, tuple[str, int]]:
-        # status first: once it is terminal, the log read next is complete
-        return read_status(run, node), node.read_new(f"{run.run_dir}/job.log", offset)
+    def show(line: str) -> None:
+        out(line if raw else nodedata.log_line(line))
+
+    def poll(node: Node) -> RunStatus:
+        status = read_status(run, node)  # first: once it is terminal, the log read next is complete
+        for note in status.notes:
+            if note not in said:
+                said.add(note)
+                (say or out)(note)
+        while True:  # in bounded reads, each printed before the next (Tail keeps the offset)
+            for line in log.read(node):
+                show(line)
+            if not log.more:
+                return status
 
     link = Link(run, reconnect_s, watch)
     try:
         while True:
-            got = link.read(poll)
-            if got is None:
+            status = link.read(poll)
+            if status is None:
                 continue
-            status, (chunk, offset) = got
-            for line in chunk.splitlines():
-                out(line)
             if not until_end or status.state in TERMINAL:
+                if log.partial:  # a last line without its newline
+                    show(log.partial)
                 return status
             time.sleep(POLL_S)
     finally:
@@ -338,11 +351,9 @@ def cancel(run: state.RunRecord, *, grace_s: float = 20) -> bool:
     return gone
 
 
-RESULT_FILES = ("metrics.jsonl", "summary.json", "status.json")
-
-
-def fetch_results(run: state.RunRecord) -> Path:
+def fetch_results(run: state.RunRecord, say: Callable[[str], None] = lambda _: None) -> Path:
     """Copy the run's metrics/summary/status from the node into the state dir; return that dir.
+    Only checked records are kept (flows/nodedata.py), metrics up to MAX_COPY_BYTES.
 
     Once the cluster is gone the last fetched copy is what remains (a local run's dir stays).
     """
@@ -350,12 +361,16 @@ def fetch_results(run: state.RunRecord) -> Path:
     if state.find_cluster(run.cluster) is None:
         return results if (results / "metrics.jsonl").is_file() else Path(run.run_dir)
     node = node_of(run)
+    notes: list[str] = []
     try:
         results.mkdir(parents=True, exist_ok=True)
-        for name in RESULT_FILES:
-            text = node.read_text(f"{run.run_dir}/{name}")
-            if text is not None:
-                atomic_write(results / name, text)
+        for name, model in (("summary.json", nodedata.NodeSummary), ("status.json", nodedata.NodeStatus)):
+            doc = nodedata.read_doc(node, f"{run.run_dir}/{name}", model, notes)
+            if doc:
+                atomic_write(results / name, json.dumps(doc, indent=2) + "\n")
+        nodedata.copy_metrics(node, f"{run.run_dir}/metrics.jsonl", results / "metrics.jsonl", notes)
     finally:
         node.close()
+    for note in dict.fromkeys(notes):
+        say(note)
     return results

@@ -18,8 +18,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from provision.core import state
-from provision.flows import job
+from provision.flows import job, nodedata
+from provision.flows.nodedata import Tail
 from provision.transport.remote import Node
+
+__all__ = ["Tail", "Update", "WatchState", "alert_line", "watch"]  # Tail: flows/nodedata.py
 
 EVENTS_FILE = "events.jsonl"  # trainer/events.py writes it (provision never imports the trainer's modules)
 # DeepSpeed's own format is "[time] [LEVEL] [file:line:func] text"; INFO lines stay in job.log.
@@ -38,32 +41,6 @@ def alert_line(line: str) -> bool:
     return bool(_ALERT.search(line))
 
 
-class Tail:
-    """A growing file on the node, read from where the last read stopped; only whole lines come out."""
-
-    def __init__(self, path: str):
-        self.path, self.offset, self.partial = path, 0, ""
-
-    def read(self, node: Node) -> list[str]:
-        chunk, self.offset = node.read_new(self.path, self.offset)
-        text = self.partial + chunk
-        lines = text.split("\n")
-        self.partial = lines.pop()  # "" after a final newline; else a line still being written
-        return lines
-
-
-def _records(lines: list[str]) -> list[dict[str, Any]]:
-    out = []
-    for line in lines:
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(value, dict):
-            out.append(value)
-    return out
-
-
 @dataclass
 class Update:
     """What one poll found new."""
@@ -72,6 +49,8 @@ class Update:
     log_lines: list[str]
     metrics: list[dict[str, Any]]
     events: list[dict[str, Any]]
+    notes: list[str] = field(default_factory=list)  # warnings about what the node sent (nodedata.py)
+    more: bool = False  # a read was cut at its bound: read again at once
 
 
 @dataclass
@@ -125,11 +104,16 @@ class WatchState:
     checkpoint: dict[str, Any] = field(default_factory=dict)  # the newest checkpoint event
     superseded: list[str] = field(default_factory=list)  # tags whose upload a newer save replaced (not stored)
     alerts: list[str] = field(default_factory=list)
-    fresh_alerts: list[str] = field(default_factory=list)  # those of the last update
+    fresh_alerts: list[str] = field(default_factory=list)  # those of the last update, scrubbed for a terminal
+    noted: set[str] = field(default_factory=set)  # each warning about the node's data is shown once
 
     def apply(self, update: Update) -> None:
         self.status = update.status
-        self.fresh_alerts = [line for line in update.log_lines if alert_line(line)]
+        self.fresh_alerts = [nodedata.log_line(line) for line in update.log_lines if alert_line(line)]
+        for note in update.notes + update.status.notes:
+            if note not in self.noted:
+                self.noted.add(note)
+                self.fresh_alerts.append(note)
         self.alerts += self.fresh_alerts
         for event in update.events:
             if event.get("kind") == "phase":
@@ -175,12 +159,13 @@ class Sink(Protocol):
 
 @dataclass
 class Feed:
-    """The run's files on its first node, each read incrementally."""
+    """The run's files on its first node, each read incrementally and checked (flows/nodedata.py)."""
 
     run: state.RunRecord
     log: Tail = field(init=False)
     metrics: Tail = field(init=False)
     events: Tail = field(init=False)
+    warned: set[str] = field(default_factory=set)  # files whose skipped lines were reported (once each)
 
     def __post_init__(self) -> None:
         d = self.run.run_dir
@@ -192,7 +177,16 @@ class Feed:
 
     def poll(self, node: Node) -> Update:
         status = job.read_status(self.run, node)  # first: once it is terminal, the reads below are complete
-        return Update(status, self.log.read(node), _records(self.metrics.read(node)), _records(self.events.read(node)))
+        log = self.log.read(node)
+        metrics, bad_metrics = nodedata.parse_lines(nodedata.NodeMetric, self.metrics.read(node))
+        events, bad_events = nodedata.parse_lines(nodedata.NodeEvent, self.events.read(node))
+        notes = []
+        for name, bad in (("metrics.jsonl", bad_metrics), ("events.jsonl", bad_events)):
+            if bad and name not in self.warned:
+                self.warned.add(name)
+                notes.append(f"warning: {name} from the node has lines that are no valid record, skipped ({bad[0]})")
+        more = self.log.more or self.metrics.more or self.events.more
+        return Update(status, log, metrics, events, notes, more)
 
 
 def watch(
@@ -219,8 +213,9 @@ def watch(
                 continue
             st.apply(update)
             sink.update(st, update)
-            if not until_end or st.ended:
+            if not until_end or (st.ended and not update.more):
                 return st
-            time.sleep(poll_s)
+            if not update.more:
+                time.sleep(poll_s)
     finally:
         link.close()

@@ -36,7 +36,6 @@ URLs); key from $RUNPOD_API_KEY or ~/.runpod/config.toml (apikey / api_key).
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,8 @@ from typing import Any
 from provision.core.errors import AuthError, NoOfferError, ProviderError
 from provision.core.provider_config import CloudProvider, RunPodProvider
 from provision.core.state import ClusterRecord, NodeRecord
+from provision.core.terminal import scrub
+from provision.providers.answers import RunPodGpu, RunPodPod, RunPodPrice, items, listed, obj, read
 from provision.providers.base import Offer, SelfTeardown, workdir_env
 from provision.providers.cloud import CloudBackend, Instance, price_of
 from provision.providers.http import ApiRefused, JsonApi, load_key
@@ -51,6 +52,7 @@ from provision.providers.prices import vendor_price
 from provision.providers.teardown import http_teardown, node_last
 
 API_URL = "https://api.runpod.io/graphql"
+VENDOR = "RunPod"
 KEY_ENV = "RUNPOD_API_KEY"
 KEY_FILES = [Path("~/.runpod/config.toml")]
 FAILED = ("EXITED", "TERMINATED")
@@ -95,10 +97,11 @@ def gql(
         raise _error(exc.detail or f"HTTP {exc.status}", f" (HTTP {exc.status})") from None
     errors = answer.get("errors") if isinstance(answer, dict) else None
     if errors:
-        text = "; ".join(str(e.get("message", e)) if isinstance(e, dict) else str(e) for e in errors)[:300]
-        raise _error(text)
+        listed = errors if isinstance(errors, list) else [errors]
+        text = "; ".join(str(e.get("message", e)) if isinstance(e, dict) else str(e) for e in listed)[:300]
+        raise _error(scrub(text))
     data = answer.get("data") if isinstance(answer, dict) else None
-    return data or {}
+    return obj(data, VENDOR, "a query")
 
 
 def _error(text: str, status: str = "") -> ProviderError:
@@ -110,32 +113,23 @@ def _error(text: str, status: str = "") -> ProviderError:
     return ProviderError(f"RunPod API error{status}: {text}")
 
 
-def _instance(raw: dict[str, Any]) -> Instance:
-    status = raw.get("desiredStatus") or "PROVISIONING"
-    ports = ((raw.get("runtime") or {}).get("ports")) or []
-    ssh = next(
-        (
-            p
-            for p in ports
-            if p.get("privatePort") == 22 and p.get("isIpPublic") and p.get("type") == "tcp" and p.get("ip")
-        ),
-        None,
-    )
+def _instance(raw: object) -> Instance:
+    pod = read(RunPodPod, raw, VENDOR, "a pod")
+    status = pod.desiredStatus or "PROVISIONING"
+    ports = (pod.runtime.ports if pod.runtime else None) or []
+    ssh = next((p for p in ports if p.privatePort == 22 and p.isIpPublic and p.type == "tcp" and p.ip), None)
     booting = "RUNNING (image pulling)" if status == "RUNNING" and ssh is None else status
-    billed = raw.get("costPerHr")  # what RunPod bills the pod; a value that is no price is not used
-    if isinstance(billed, bool) or not isinstance(billed, (int, float)) or not math.isfinite(billed) or billed <= 0:
-        billed = None
     return Instance(
-        id=str(raw["id"]),
+        id=str(pod.id),
         state=booting,
-        ready=status == "RUNNING" and ssh is not None,
+        ready=status == "RUNNING" and ssh is not None and ssh.publicPort is not None,
         failed=status in FAILED,
-        address=ssh["ip"] if ssh else None,
-        port=int(ssh["publicPort"]) if ssh else 22,
+        address=ssh.ip if ssh else None,
+        port=(ssh.publicPort or 22) if ssh else 22,
         user="root",
-        label=str(raw.get("name") or ""),
-        host=str(raw.get("machineId") or ""),
-        price_per_hour=price_of(raw.get("costPerHr")) or None,  # what RunPod bills the pod; 0 is no price
+        label=pod.name or "",
+        host=str(pod.machineId or ""),
+        price_per_hour=price_of(pod.costPerHr) or None,  # what RunPod bills the pod; 0 is no price
     )
 
 
@@ -167,14 +161,15 @@ class RunPodBackend(CloudBackend):
             },
         )
         offers = []
-        for gpu in data.get("gpuTypes") or []:
-            for cloud, alias in (("SECURE", "secure"), ("COMMUNITY", "community")):
-                price = gpu.get(alias) or {}
-                per_gpu = price.get("minimumBidPrice") if prov.interruptible else price.get("uninterruptablePrice")
+        for raw in items(data.get("gpuTypes"), VENDOR, "the GPU types"):
+            gpu = read(RunPodGpu, raw, VENDOR, "a GPU type")
+            for cloud, offered in (("SECURE", gpu.secure), ("COMMUNITY", gpu.community)):
+                price = offered or RunPodPrice()
+                per_gpu = price.minimumBidPrice if prov.interruptible else price.uninterruptablePrice
                 if prov.cloud_type not in ("ALL", cloud) or per_gpu is None or per_gpu == 0:
                     continue  # null (or 0): RunPod has none of it to offer
                 field = "minimumBidPrice" if prov.interruptible else "uninterruptablePrice"
-                per_gpu = vendor_price(per_gpu, f"RunPod's {field} of {gpu.get('id')!r} ({cloud} cloud)")
+                per_gpu = vendor_price(per_gpu, f"RunPod's {field} of {gpu.id!r} ({cloud} cloud)")
                 if prov.interruptible and prov.bid_per_gpu:
                     per_gpu = max(prov.bid_per_gpu, per_gpu)
                 total = per_gpu * prov.gpus_per_node
@@ -183,11 +178,11 @@ class RunPodBackend(CloudBackend):
                 offers.append(
                     Offer(
                         id=cloud,
-                        gpu_name=gpu.get("displayName") or gpu["id"],
+                        gpu_name=gpu.displayName or gpu.id,
                         num_gpus=prov.gpus_per_node,
                         price_per_hour=round(total, 4),
                         ram_gb=prov.min_ram_gb or None,
-                        where=f"{cloud} cloud, ${per_gpu:.3f}/h per GPU, stock {price.get('stockStatus') or '?'}",
+                        where=f"{cloud} cloud, ${per_gpu:.3f}/h per GPU, stock {price.stockStatus or '?'}",
                         spot=prov.interruptible,
                     )
                 )
@@ -221,11 +216,12 @@ class RunPodBackend(CloudBackend):
             data = gql(api(cluster.api_url), DEPLOY_SPOT, {"input": pod}, idempotent=False).get("podRentInterruptable")
         else:
             data = gql(api(cluster.api_url), DEPLOY, {"input": pod}, idempotent=False).get("podFindAndDeployOnDemand")
-        if not data or not data.get("id"):
+        if not data or (isinstance(data, dict) and not data.get("id")):
             raise NoOfferError(
                 "RunPod did not deploy a pod (no id returned)", "retry later, or change provider.gpu / cloud_type"
             )
-        return str(data["id"])
+        # (an id that is no id: the abort finds what this deploy made by its name, the label)
+        return str(read(RunPodPod, data, VENDOR, "the deploy").id)
 
     def account_missing(self) -> str | None:
         try:
@@ -251,8 +247,9 @@ class RunPodBackend(CloudBackend):
                 raise  # it still exists: the error was real
 
     def list_instances(self, cluster: ClusterRecord) -> list[Instance]:
-        pods = (gql(api(cluster.api_url), PODS).get("myself") or {}).get("pods") or []
-        return [_instance(p) for p in pods]
+        me = obj(gql(api(cluster.api_url), PODS).get("myself"), VENDOR, "the list of pods")
+        rows = [listed(p, _instance) for p in items(me.get("pods"), VENDOR, "the list of pods")]
+        return [i for i in rows if i is not None]
 
     def self_teardown(self, cluster: ClusterRecord) -> SelfTeardown | None:
         """The node sends podTerminate for the cluster's pods, its own last."""

@@ -35,6 +35,7 @@ from urllib.parse import quote_plus
 from provision.core.errors import AuthError, ProviderError
 from provision.core.provider_config import CloudProvider, VastProvider
 from provision.core.state import ClusterRecord, NodeRecord
+from provision.providers.answers import VastContract, VastInstance, VastOffer, VastPort, items, listed, obj, read
 from provision.providers.base import BOOT_HOOK, Offer, SelfTeardown, workdir_env
 from provision.providers.cloud import CloudBackend, Instance, price_of
 from provision.providers.http import ApiNotFound, JsonApi, load_key
@@ -42,6 +43,7 @@ from provision.providers.prices import vendor_price
 from provision.providers.teardown import http_teardown, node_last
 
 API_URL = "https://console.vast.ai"
+VENDOR = "Vast.ai"
 KEY_ENV = "VAST_API_KEY"
 KEY_FILES = [Path("~/.config/vastai/vast_api_key"), Path("~/.vast_api_key")]
 MB_PER_GB = 1000  # as the client's offers_mult converts cpu_ram
@@ -117,59 +119,65 @@ def create_body(prov: VastProvider, cluster: ClusterRecord, label: str, offer: O
     return body
 
 
-def bid_of(prov: VastProvider, raw: dict[str, Any]) -> float:
+def bid_of(prov: VastProvider, raw: VastOffer) -> float:
     """The bid for one bid offer ($/h per machine): bid_per_gpu x its GPUs, else the offer's minimum."""
     if prov.bid_per_gpu:
-        return prov.bid_per_gpu * int(raw.get("num_gpus") or 0)
-    if raw.get("min_bid") in (None, 0):
+        return prov.bid_per_gpu * (raw.num_gpus or 0)
+    if raw.min_bid in (None, 0):
         return _price(raw, "dph_total")
     return _price(raw, "min_bid")
 
 
-def _price(raw: dict[str, Any], field: str) -> float:
-    return vendor_price(raw.get(field), f"Vast.ai offer {str(raw.get('id'))[:20]}: {field}")
+def _price(raw: VastOffer, field: str) -> float:
+    return vendor_price(getattr(raw, field), f"Vast.ai offer {str(raw.id)[:20]}: {field}")
 
 
-def _offer(raw: dict[str, Any], prov: VastProvider) -> Offer:
-    dph_total = _price(raw, "dph_total")  # checked for a bid offer too: `offers` shows it
+def _offer(raw: object, prov: VastProvider) -> Offer:
+    o = read(VastOffer, raw, VENDOR, "an offer")
+    dph_total = _price(o, "dph_total")  # checked for a bid offer too: `offers` shows it
     return Offer(
-        id=str(raw["id"]),
-        gpu_name=raw.get("gpu_name", "?"),
-        num_gpus=int(raw.get("num_gpus") or 0),
-        price_per_hour=bid_of(prov, raw) if prov.interruptible else dph_total,
-        ram_gb=(raw.get("cpu_ram") or 0) / MB_PER_GB or None,
-        disk_gb=raw.get("disk_space"),
-        where=raw.get("geolocation") or "",
-        reliability=raw.get("reliability", raw.get("reliability2")),
+        id=str(o.id),
+        gpu_name=o.gpu_name,
+        num_gpus=o.num_gpus or 0,
+        price_per_hour=bid_of(prov, o) if prov.interruptible else dph_total,
+        ram_gb=(o.cpu_ram or 0) / MB_PER_GB or None,
+        disk_gb=o.disk_space,
+        where=o.geolocation or "",
+        reliability=o.reliability if o.reliability is not None else o.reliability2,
         spot=prov.interruptible,
-        host=str(raw.get("machine_id") or ""),
+        host=str(o.machine_id or ""),
     )
 
 
-def _instance(raw: dict[str, Any]) -> Instance:
-    status = raw.get("actual_status") or "provisioning"
-    stopped = "stopped" in (raw.get("intended_status"), raw.get("cur_state"))
+def _instance(raw: object) -> Instance:
+    inst = read(VastInstance, raw, VENDOR, "an instance")
+    status = inst.actual_status or "provisioning"
+    stopped = "stopped" in (inst.intended_status, inst.cur_state)
     address, port = None, 22
-    mapped = (raw.get("ports") or {}).get("22/tcp") if isinstance(raw.get("ports"), dict) else None
-    if mapped and raw.get("public_ipaddr"):
-        address, port = raw["public_ipaddr"].strip(), int(mapped[0]["HostPort"])
-    elif raw.get("ssh_host") and raw.get("ssh_port"):
-        address, port = raw["ssh_host"].strip(), int(raw["ssh_port"])
+    mapped = (inst.ports or {}).get("22/tcp")
+    if mapped and inst.public_ipaddr:
+        first = items(mapped, VENDOR, f"instance {inst.id}'s ports")[0]
+        address, port = (
+            inst.public_ipaddr.strip(),
+            read(VastPort, first, VENDOR, f"instance {inst.id}'s port 22").HostPort,
+        )
+    elif inst.ssh_host and inst.ssh_port:
+        address, port = inst.ssh_host.strip(), inst.ssh_port
     ready = status == "running" and address is not None and not stopped
     failed = status in FAILED or stopped
     if failed:  # the vendor's word plus its reason, for the one error line
-        why = " ".join(str(raw.get("status_msg") or "").split())[:200]
+        why = " ".join((inst.status_msg or "").split())[:200]
         status = (status if status in FAILED else "stopped") + (f" ({why})" if why else "")
     return Instance(
-        id=str(raw["id"]),
+        id=str(inst.id),
         state=status,
         ready=ready,
         failed=failed,
         address=address,
         port=port,
         user="root",
-        label=str(raw.get("label") or ""),
-        price_per_hour=price_of(raw.get("dph_total")),
+        label=inst.label or "",
+        price_per_hour=price_of(inst.dph_total),
     )
 
 
@@ -202,8 +210,8 @@ class VastBackend(CloudBackend):
 
     def find_offers(self, prov: CloudProvider) -> list[Offer]:
         assert isinstance(prov, VastProvider)
-        answer = api(prov.api_url).request("POST", "/api/v0/bundles/", search_query(prov)) or {}
-        offers = [_offer(o, prov) for o in answer.get("offers") or []]
+        answer = obj(api(prov.api_url).request("POST", "/api/v0/bundles/", search_query(prov)), VENDOR, "the search")
+        offers = [_offer(o, prov) for o in items(answer.get("offers"), VENDOR, "the search's offers")]
         return sorted(offers, key=lambda o: o.price_per_hour)
 
     def picks(self, offers: list[Offer], nodes: int) -> list[Offer]:
@@ -219,13 +227,15 @@ class VastBackend(CloudBackend):
         assert isinstance(prov, VastProvider)
         client = api(cluster.api_url)
         body = create_body(prov, cluster, label, offer)
-        answer = client.request("PUT", f"/api/v0/asks/{offer.id}/", body, idempotent=False) or {}
+        what = f"the rental of offer {offer.id}"
+        answer = obj(client.request("PUT", f"/api/v0/asks/{offer.id}/", body, idempotent=False), VENDOR, what)
         if not answer.get("success") or not answer.get("new_contract"):
             raise ProviderError(
-                f"Vast.ai did not rent offer {offer.id}: {answer.get('msg') or answer.get('error') or answer}",
+                f"Vast.ai did not rent offer {offer.id}: {answer.get('msg') or answer.get('error') or answer}"[:400],
                 "the offer may be taken or unschedulable; retry `gpuctl up`",
             )
-        return str(answer["new_contract"])
+        # (an id that is no id: the abort finds what this create made by its label)
+        return str(read(VastContract, answer, VENDOR, what).new_contract)
 
     def attach(self, cluster: ClusterRecord, instance_id: str, public_key: str) -> None:
         """The cluster key, once the new instance's id is recorded (a failure here aborts `up`,
@@ -244,10 +254,10 @@ class VastBackend(CloudBackend):
 
     def describe(self, cluster: ClusterRecord, instance_id: str) -> Instance | None:
         try:
-            answer = api(cluster.api_url).request("GET", f"/api/v0/instances/{instance_id}/?owner=me") or {}
+            answer = api(cluster.api_url).request("GET", f"/api/v0/instances/{instance_id}/?owner=me")
         except ApiNotFound:
             return None
-        raw = answer.get("instances")
+        raw = obj(answer, VENDOR, f"the look at instance {instance_id}").get("instances")
         return _instance(raw) if isinstance(raw, dict) and raw.get("id") is not None else None
 
     def terminate(self, cluster: ClusterRecord, instance_id: str) -> None:
@@ -264,8 +274,9 @@ class VastBackend(CloudBackend):
         found: list[Instance] = []
         for _page in range(LIST_PAGES_MAX):
             query = "&".join(f"{k}={quote_plus(v if isinstance(v, str) else json.dumps(v))}" for k, v in params.items())
-            answer = client.request("GET", f"/api/v1/instances/?{query}") or {}
-            found += [_instance(raw) for raw in answer.get("instances") or []]
+            answer = obj(client.request("GET", f"/api/v1/instances/?{query}"), VENDOR, "the list of instances")
+            rows = [listed(raw, _instance) for raw in items(answer.get("instances"), VENDOR, "the list of instances")]
+            found += [i for i in rows if i is not None]
             if not answer.get("next_token"):
                 return found
             params["after_token"] = answer["next_token"]

@@ -15,9 +15,9 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, BinaryIO
 
-from provision.core.errors import RemoteError
+from provision.core.errors import GpuctlError, RemoteError
 
 LineSink = Callable[[str], None]
 
@@ -34,6 +34,60 @@ DETACH_SCRIPT = (
     'until kill -0 -- "-$pid" 2>/dev/null || ! kill -0 "$pid" 2>/dev/null || [ "$n" -ge 200 ]; '
     'do sleep 0.05; n=$((n + 1)); done; echo "$pid"'
 )
+
+
+READ_BYTES = 4 << 20  # the most one read_new returns: the rest of a growing file comes next time
+LAST_LINE_BYTES = 64 << 10  # last_line looks this far back
+
+
+class TooLarge(GpuctlError):
+    """A node's file is bigger than the read allows: it was not read (a node's files are hostile input)."""
+
+    def __init__(self, path: str, size: int, limit: int):
+        super().__init__(f"{path} is {size:,} bytes, more than the {limit:,} gpuctl reads", "check the node")
+        self.path, self.size, self.limit = path, size, limit
+
+
+def complete_utf8(data: bytes) -> int:
+    """Length of the longest prefix of data that does not end inside a UTF-8 character."""
+    i = len(data) - 1
+    while i >= 0 and len(data) - i < 4 and data[i] & 0xC0 == 0x80:
+        i -= 1
+    if i < 0 or data[i] < 0xC0:
+        return len(data)
+    need = 2 if data[i] < 0xE0 else 3 if data[i] < 0xF0 else 4
+    return len(data) if len(data) - i >= need else i
+
+
+def read_whole(fh: BinaryIO, size: int, path: str, limit: int | None) -> str:
+    """An open file's text; TooLarge (nothing read) when it has more than `limit` bytes."""
+    if limit is not None and size > limit:
+        raise TooLarge(path, size, limit)
+    data = fh.read() if limit is None else fh.read(limit + 1)
+    if limit is not None and len(data) > limit:  # it grew since the stat
+        raise TooLarge(path, len(data), limit)
+    return data.decode("utf-8", "replace")
+
+
+def read_from(fh: BinaryIO, size: int, offset: int, limit: int) -> tuple[str, int]:
+    """At most `limit` bytes of an open file from `offset`, cut before a partly written UTF-8
+    character; the text and the offset after it."""
+    if size <= offset:
+        return "", offset
+    fh.seek(offset)
+    data = fh.read(min(size - offset, limit))
+    end = complete_utf8(data) if data else 0
+    if end == 0 and len(data) >= 4:  # no whole character at all (not UTF-8): move on anyway
+        end = len(data)
+    return data[:end].decode("utf-8", "replace"), offset + end
+
+
+def last_line_of(fh: BinaryIO, size: int) -> str:
+    if not size:
+        return ""
+    fh.seek(max(0, size - LAST_LINE_BYTES))
+    lines = fh.read(LAST_LINE_BYTES).rstrip(b"\n").rsplit(b"\n", 1)
+    return lines[-1].decode("utf-8", "replace")
 
 
 @dataclass
@@ -81,8 +135,12 @@ class Node:
         """Run a fixed bash script; values travel as positional args, never pasted into it."""
         return self.run(["bash", "-c", script, "gpuctl", *args], check=check, timeout=timeout, stream=stream)
 
-    def read_text(self, path: str) -> str | None:
-        result = self.sh('[ -f "$1" ] && cat -- "$1"', path, check=False, timeout=60)
+    def read_text(self, path: str, limit: int | None = None) -> str | None:
+        """A file's text, None when it is missing; TooLarge (not read) when over `limit` bytes."""
+        script = '[ -f "$1" ] || exit 1; s=$(stat -c %s -- "$1") || exit 1; [ -z "$2" ] || [ "$s" -le "$2" ] || { echo "$s"; exit 3; }; cat -- "$1"'
+        result = self.sh(script, path, "" if limit is None else str(limit), check=False, timeout=60)
+        if result.rc == 3 and limit is not None:
+            raise TooLarge(path, int(result.stdout.strip() or 0), limit)
         return result.stdout if result.rc == 0 else None
 
     def write_text(self, path: str, text: str, mode: str = "600") -> None:
@@ -98,14 +156,16 @@ class Node:
         except (ValueError, IndexError):
             raise RemoteError(f"{self.label}: could not start {script} (got {out!r})") from None
 
-    def read_new(self, path: str, offset: int) -> tuple[str, int]:
-        """What a growing file holds from byte `offset` on, and the offset after it."""
-        text = self.sh('[ -f "$1" ] && tail -c +"$2" -- "$1"', path, str(offset + 1), check=False, timeout=60).stdout
+    def read_new(self, path: str, offset: int, limit: int = READ_BYTES) -> tuple[str, int]:
+        """What a growing file holds from byte `offset` on (at most `limit` bytes), and the offset after it."""
+        script = '[ -f "$1" ] && tail -c +"$2" -- "$1" | head -c "$3"'
+        text = self.sh(script, path, str(offset + 1), str(limit), check=False, timeout=60).stdout
         return text, offset + len(text.encode())
 
     def last_line(self, path: str) -> str:
-        """The last line of a file ("" when missing)."""
-        return self.sh('[ -f "$1" ] && tail -n 1 -- "$1"', path, check=False, timeout=60).stdout
+        """The last line of a file ("" when missing), from its last LAST_LINE_BYTES."""
+        script = '[ -f "$1" ] && tail -c "$2" -- "$1" | tail -n 1'
+        return self.sh(script, path, str(LAST_LINE_BYTES), check=False, timeout=60).stdout
 
     def group_alive(self, pgid: int) -> bool:
         return self.sh('kill -0 -- "-$1" 2>/dev/null', str(pgid), check=False, timeout=30).rc == 0
@@ -169,6 +229,28 @@ class LocalNode(Node):
         for pump in pumps:
             pump.join()
         return CommandResult(rc, "".join(out), "".join(err))
+
+    # A local node's files are read here, bounded like an SSH node's (no shell, no decoding of a cut character).
+    def read_text(self, path: str, limit: int | None = None) -> str | None:
+        try:
+            with open(path, "rb") as fh:
+                return read_whole(fh, os.fstat(fh.fileno()).st_size, path, limit)
+        except OSError:  # missing, a folder, no permission: like `[ -f ] && cat` failing
+            return None
+
+    def read_new(self, path: str, offset: int, limit: int = READ_BYTES) -> tuple[str, int]:
+        try:
+            with open(path, "rb") as fh:
+                return read_from(fh, os.fstat(fh.fileno()).st_size, offset, limit)
+        except OSError:  # missing, a folder, no permission: like `[ -f ] && cat` failing
+            return "", offset
+
+    def last_line(self, path: str) -> str:
+        try:
+            with open(path, "rb") as fh:
+                return last_line_of(fh, os.fstat(fh.fileno()).st_size)
+        except OSError:  # missing, a folder, no permission: like `[ -f ] && cat` failing
+            return ""
 
     def put_dir(self, local: Path, remote: str) -> None:
         shutil.copytree(local, remote, dirs_exist_ok=True, symlinks=True, copy_function=copy_with_mode)

@@ -72,6 +72,11 @@ class FakeApi:
     # create the vendor did whose answer gpuctl never read) or hold the answer.
     on_answer: Callable[[str, str, object], None] | None = None
 
+    # Rewrites each answer (method, path, request body, answer) -> what is sent instead: a vendor
+    # that answers in another shape (tests/test_hardening_vendor_answers.py). The fake's own state
+    # changed as for the true answer (an instance it reports badly is still created).
+    mangle: Callable[[str, str, object, object], object] | None = None
+
     def __post_init__(self):
         self.lock = threading.RLock()
         self.server: ThreadingHTTPServer | None = None
@@ -144,11 +149,13 @@ class FakeApi:
                 status, answer = self.handle(req.command, split.path, body, query)
             except ApiError as err:
                 status, answer = err.status, err.body
+            if self.mangle is not None:
+                answer = self.mangle(req.command, split.path, body, answer)
         if self.on_answer is not None:
             self.on_answer(req.command, split.path, body)
         self._reply(req, status, answer)
 
-    def _reply(self, req: BaseHTTPRequestHandler, status: int, body: dict, headers: dict | None = None) -> None:
+    def _reply(self, req: BaseHTTPRequestHandler, status: int, body: object, headers: dict | None = None) -> None:
         data = json.dumps(body).encode()
         req.send_response(status)
         req.send_header("Content-Type", "application/json")

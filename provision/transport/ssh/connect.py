@@ -188,7 +188,14 @@ def _open(
     is one ConnectError naming the hop."""
     user, address, port = where
     try:
-        conn.open()
+        try:
+            conn.open()
+        except BaseException:
+            # paramiko keeps a failed login's transport (its reader thread and socket) open: a node
+            # whose sshd never lets the key in would hold one more of each per try, until its sshd
+            # drops connections past MaxStartups. Every failed attempt closes what it opened.
+            conn.client.close()
+            raise
     except paramiko.ChannelException as exc:  # `via`'s answer to "forward me to address:port"
         prohibited = exc.code == 1
         what = (

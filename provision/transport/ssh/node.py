@@ -36,7 +36,7 @@ from provision.core import interrupt, state
 from provision.core.errors import RemoteError
 from provision.core.ssh_route import SSHRoute
 from provision.transport.ignore import walk_shipped
-from provision.transport.remote import CommandResult, LineSink, Node
+from provision.transport.remote import READ_BYTES, CommandResult, LineSink, Node, last_line_of, read_from, read_whole
 from provision.transport.ssh.connect import (
     DEFAULT_CONNECT_TIMEOUT,
     answered_within,
@@ -45,7 +45,7 @@ from provision.transport.ssh.connect import (
     open_connection,
 )
 from provision.transport.ssh.hostkeys import known_hosts_path, unpin
-from provision.transport.ssh.sftp_files import _complete_utf8, _sftp_makedirs, _sftp_mkdir, _sftp_put, _sftp_remove
+from provision.transport.ssh.sftp_files import _sftp_makedirs, _sftp_mkdir, _sftp_put, _sftp_remove
 
 if TYPE_CHECKING:
     from fabric import Connection
@@ -283,40 +283,32 @@ class SSHNode(Node):
                 "check the node; gpuctl reconnects on the next command",
             ) from None
 
-    def read_text(self, path: str) -> str | None:
-        """A file's text, or None when it is missing or unreadable (over SFTP: no shell start)."""
+    def read_text(self, path: str, limit: int | None = None) -> str | None:
+        """A file's text, or None when it is missing or unreadable (over SFTP: no shell start);
+        TooLarge (nothing read) when it has more than `limit` bytes."""
 
         def read(sftp: paramiko.SFTPClient) -> str:
             with sftp.open(path, "rb") as fh:
-                data: bytes = fh.read()
-            return data.decode("utf-8", "replace")
+                return read_whole(fh, fh.stat().st_size or 0, path, limit)
 
         return self._over_sftp(path, read, None)
 
-    def read_new(self, path: str, offset: int) -> tuple[str, int]:
-        """New bytes of a growing file from `offset`, cut before a partly written UTF-8 character."""
+    def read_new(self, path: str, offset: int, limit: int = READ_BYTES) -> tuple[str, int]:
+        """New bytes of a growing file from `offset` (at most `limit`), cut before a partly written UTF-8 character."""
 
         def read(sftp: paramiko.SFTPClient) -> tuple[str, int]:
             with sftp.open(path, "rb") as fh:
-                size = fh.stat().st_size
-                if size <= offset:
-                    return "", offset
-                fh.seek(offset)
-                if size - offset > 256 * 1024:
-                    fh.prefetch(size)  # a long log on first attach: pipelined reads
-                data = fh.read(size - offset)
-            end = _complete_utf8(data)
-            return data[:end].decode("utf-8", "replace"), offset + end
+                size = fh.stat().st_size or 0
+                if min(size - offset, limit) > 256 * 1024:
+                    fh.prefetch(min(size, offset + limit))  # a long log on first attach: pipelined reads
+                return read_from(fh, size, offset, limit)
 
         return self._over_sftp(path, read, ("", offset))
 
     def last_line(self, path: str) -> str:
         def read(sftp: paramiko.SFTPClient) -> str:
             with sftp.open(path, "rb") as fh:
-                size = fh.stat().st_size
-                fh.seek(max(0, size - 65536))
-                lines = fh.read().rstrip(b"\n").rsplit(b"\n", 1)
-            return lines[-1].decode("utf-8", "replace") if size else ""
+                return last_line_of(fh, fh.stat().st_size or 0)
 
         return self._over_sftp(path, read, "")
 

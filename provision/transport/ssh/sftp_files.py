@@ -1,5 +1,4 @@
-"""SFTP helpers of SSHNode: whole UTF-8 characters of a growing log, files put with their mode
-set before the first byte, folders made 0700."""
+"""SFTP helpers of SSHNode: files put with their mode set before the first byte, folders made 0700."""
 
 from __future__ import annotations
 
@@ -8,17 +7,6 @@ import stat
 from pathlib import Path
 
 import paramiko
-
-
-def _complete_utf8(data: bytes) -> int:
-    """Length of the longest prefix of data that does not end inside a UTF-8 character."""
-    i = len(data) - 1
-    while i >= 0 and len(data) - i < 4 and data[i] & 0xC0 == 0x80:
-        i -= 1
-    if i < 0 or data[i] < 0xC0:
-        return len(data)
-    need = 2 if data[i] < 0xE0 else 3 if data[i] < 0xF0 else 4
-    return len(data) if len(data) - i >= need else i
 
 
 def _sftp_put(sftp: paramiko.SFTPClient, path: Path, target: str) -> None:
