@@ -127,7 +127,7 @@ def default_offers() -> list[dict]:
         offer(1007, price=0.70, verified=False),
         offer(1008, price=0.65, external=True),  # an external listing: the client hides it
         offer(1009, price=0.45, cuda=12.4),  # a driver too old for the image's CUDA 12.8
-        offer(1010, price=0.50, inet_up=0.8),  # an uplink that would take days for any checkpoint
+        offer(1010, price=1.50, inet_up=0.8),  # an uplink that would take days for any checkpoint
     ]
 
 
