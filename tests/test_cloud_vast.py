@@ -288,7 +288,9 @@ def test_e2e_up_train_self_teardown_down(project, gpuctl, fake, tmp_path, state_
     assert "step 4/4" in train.stdout
     wait_until(lambda: not fake.instances, 120, "the node to delete itself")
     assert fake.deleted == [7000001]
-    assert fake.requests[-1][0] == "DELETE"  # the node's own call, not gpuctl's
+    (delete,) = [c for c in fake.calls if c.method == "DELETE"]
+    assert delete.headers["user-agent"].startswith("Python-urllib")  # the node's own call, not gpuctl's
+    assert "node: gone;" in train.stderr  # train saw the vendor no longer list it, and forgot the cluster
     for _ in range(2):
         down = gpuctl("down", "--yes")
         outputs += [down.stdout, down.stderr]

@@ -113,6 +113,8 @@ def test_the_readme_block_trains_stores_the_checkpoint_and_the_instance_is_gone(
     # the node deleted itself: no `gpuctl down` ran, the vendor lists nothing, gpuctl forgot the cluster
     assert not (fake.instances if vendor == "Vast.ai" else fake.pods)
     assert not list(state_dir.glob("clusters/*.json"))
+    ended = [c for c in fake.calls if c.method == "DELETE" or "podTerminate" in str(c.body)]
+    assert ended and all(c.headers["user-agent"].startswith("Python-urllib") for c in ended)  # the node's calls
     run_dir = next((project / "node" / "runs").iterdir())
     text_once_it_says(run_dir / "job.log", "self-teardown accepted")
     keys = {o["Key"] for o in s3.client().list_objects_v2(Bucket=BUCKET, Prefix="gpuctl/").get("Contents", [])}
