@@ -110,6 +110,7 @@ def test_the_readme_block_trains_stores_the_checkpoint_and_the_instance_is_gone(
     trained = gpuctl(*shlex.split(train)[1:], timeout=600)
     assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
     assert "step 2/2" in trained.stdout and "node: gone;" in trained.stderr, trained.stderr[-2000:]
+    assert "teardown after-train: the" in trained.stderr  # `train` says it too
     # the node deleted itself: no `gpuctl down` ran, the vendor lists nothing, gpuctl forgot the cluster
     assert not (fake.instances if vendor == "Vast.ai" else fake.pods)
     assert not list(state_dir.glob("clusters/*.json"))

@@ -205,3 +205,26 @@ def test_runpod_offers_say_the_filters_the_deploy_carries(project, monkeypatch):
     assert table.exit_code == 0, table.output
     assert "allowedCudaVersions>=12.8" in table.stdout and "minUpload=430 Mbit/s" in table.stdout
     assert "host upload >= 430 Mbit/s" in table.stderr
+
+
+def test_a_local_config_turned_to_vast_by_hand_points_at_init(project):
+    init("--provider", "local")
+    path = project / "gpuctl.yaml"
+    path.write_text(path.read_text().replace("  kind: local\n", "  kind: vast\n"))
+    line = one_error(runner.invoke(app, ["plan"]))
+    assert "provider.gpus_per_node" in line and "`gpuctl init --provider vast FILE` writes a vast config" in line
+
+
+def test_up_says_when_teardown_never_leaves_the_node_billing(project, vast_api):
+    vast_config(project, vast_api, storage__url="s3://my-bucket/gpuctl")
+    raw = yaml.safe_load((project / "gpuctl.yaml").read_text())
+    (project / "gpuctl.yaml").write_text(yaml.safe_dump({**raw, "teardown": "never"}))
+    dry = runner.invoke(app, ["up", "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert "teardown never (gpuctl.yaml): the vast node bills after the run until `gpuctl down`" in dry.stderr
+
+
+def test_report_help_names_the_table_not_a_source():
+    shown = runner.invoke(app, ["report", "--help"], env={"COLUMNS": "200"})
+    assert "The throughput table (mode, batch, tokens/s, memory per GPU, scaling)" in " ".join(shown.stdout.split())
+    assert "article" not in shown.stdout

@@ -269,6 +269,9 @@ def _format_validation(err: ValidationError, path: Path) -> ConfigError:
         msg, fix = "unknown provider kind", "use one of local, ssh, vast, runpod, aws"
     else:
         fix = f"correct {where} in {path.name}"
+    kind = next((str(p) for p in first["loc"][1:2] if first["loc"][0] == "provider" and str(p) in RENTING), None)
+    if kind and first["type"] != "union_tag_invalid":  # e.g. a local config whose kind was changed by hand
+        fix += f"; `gpuctl init --provider {kind} FILE` writes a {kind} config with every key it takes"
     more = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
     return ConfigError(f"{path}: {where}: {msg}{more}", fix)
 
