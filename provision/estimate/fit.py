@@ -35,7 +35,9 @@ def _check_gpu(cfg: GpuctlConfig, cluster: ClusterRecord) -> None:
     node = cluster.nodes[0]
     if fields.get("model") not in KNOWN_MODELS or node.accelerator != "cuda":
         return
-    gpu = node.gpu_name or fields.get("gpu") or "RTX 4090"
+    gpu = node.gpu_name or fields.get("gpu")  # the node's, else the provider's (ssh before `up`: unknown)
+    if not gpu:
+        return
     try:
         find_gpu(gpu)
         result = plan(PlanInput(**{**fields, "gpu": gpu, "gpus_per_node": node.slots, "nodes": len(cluster.nodes)}))
