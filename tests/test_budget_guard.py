@@ -136,7 +136,7 @@ def test_a_run_no_longer_carries_a_watchdog_and_refuses_a_spent_cap(tmp_path, mo
         "self_teardown",
         lambda self, cluster: SelfTeardown(["teardown-cmd"], {"GPUCTL_TEARDOWN_KEY": "k"}),
     )
-    cfg = GpuctlConfig(provider=VastProvider(max_hours=1), base_dir=tmp_path)
+    cfg = GpuctlConfig(provider=VastProvider(max_hours=1), teardown="never", base_dir=tmp_path)
     node = state.NodeRecord(host="node0", slots=3, workdir="/root/gpuctl", instance_id="1")
     record = state.ClusterRecord(
         name="c", provider="vast", nodes=[node], budget_hours=1.0, created_at=time.time() - 600

@@ -16,6 +16,7 @@ import pytest
 import runpod as official
 from runpod.api.mutations import pods as official_mutations
 
+from provision.core.errors import NoOfferError
 from provision.core.provider_config import RunPodProvider
 from provision.core.state import ClusterRecord
 from provision.providers import runpod as ours
@@ -88,7 +89,7 @@ def test_gpu_types_and_lowest_price(fake):
 
 
 def test_create_pod(fake):
-    prov = RunPodProvider(api_url=fake.url, cloud_type="COMMUNITY")
+    prov = RunPodProvider(api_url=fake.url, cloud_type="COMMUNITY", min_upload_mbps=430)
     cluster = ClusterRecord(name="oracle", provider="runpod", nodes=[], api_url=fake.url, price_per_hour=1.02)
     label = "gpuctl-oracle-0-abc123"
     env = {"SSH_PUBLIC_KEY": KEY_LINE, "GPUCTL_SSHD": "1", "GPUCTL_CLUSTER": cluster.name}
@@ -106,6 +107,8 @@ def test_create_pod(fake):
         min_memory_in_gb=int(prov.min_ram_gb),
         ports="22/tcp",
         env=env,
+        allowed_cuda_versions=["12.8", "12.9", "13.0"],  # hosts whose driver runs the image's CUDA 12.8
+        min_upload=430,  # Mbit/s: DeepSeek-7B's final checkpoint (96.7 GB) within 30 minutes
     )
     (their_deploy,) = ops_since(fake, start, "podFindAndDeployOnDemand")
     start = len(fake.ops)
@@ -122,6 +125,7 @@ def test_create_pod(fake):
     )
     assert not problems, "\n".join(problems)
     assert their_deploy.input["cloudType"] == our_deploy.input["cloudType"] == "COMMUNITY"  # an enum both ways
+    assert our_deploy.input["allowedCudaVersions"] == ["12.8", "12.9", "13.0"] and our_deploy.input["minUpload"] == 430
     assert fake.pods["fakepod000002"]["_keys"] == [KEY_LINE]  # the key reached the pod through SSH_PUBLIC_KEY
     start = len(fake.ops)
     official.get_pod("fakepod000002")
@@ -182,3 +186,20 @@ def test_spot_has_no_builder_in_the_client_so_the_spec_is_the_reference(fake):
     ours.BACKEND.launch(prov, cluster, "gpuctl-oracle-0-spot00", offer, KEY_LINE)
     (spot,) = ops_since(fake, 0, "podRentInterruptable")
     assert spot.input["bidPerGpu"] == pytest.approx(0.204)
+    assert spot.input["allowedCudaVersions"] == ours.allowed_cuda()  # the spec's spot input has it, not minUpload
+
+
+def test_hosts_without_the_cuda_or_the_uplink_are_not_rented(fake):
+    """RunPod places the pod itself: the filters go with the deploy, and no fitting host is an error."""
+    cluster = ClusterRecord(name="oracle", provider="runpod", nodes=[], api_url=fake.url)
+    offer = Offer(id="COMMUNITY", gpu_name="RTX 4090", num_gpus=3, price_per_hour=1.02)
+    for host, prov in (
+        ({"host_cuda": "12.4"}, RunPodProvider(api_url=fake.url)),
+        ({"host_upload_mbps": 200}, RunPodProvider(api_url=fake.url, min_upload_mbps=430)),
+    ):
+        for name, value in host.items():
+            setattr(fake, name, value)
+        with pytest.raises(NoOfferError):
+            ours.BACKEND.launch(prov, cluster, "gpuctl-oracle-0-abc123", offer, KEY_LINE)
+        fake.host_cuda, fake.host_upload_mbps = "12.8", 1000
+    assert not fake.pods

@@ -14,19 +14,22 @@ import pytest
 from vastai import VastAI
 from vastai.api import offers as vast_offers
 
-from provision.core.provider_config import VastProvider
+from provision.core.provider_config import IMAGE_CUDA, VastProvider
 from provision.core.state import ClusterRecord
 from provision.providers import vast
 from provision.providers.base import Offer
 from tests.fakes.oracle import differences
-from tests.fakes.vast_api import FakeVast
+from tests.fakes.vast_api import FakeVast, offer
 
 pytestmark = pytest.mark.timeout(120)
 KEY_LINE = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOracleOracleOracleOracleOracleOracle000 gpuctl"
-FILTERS = {"min_ram_gb": 128, "disk_gb": 200, "max_price": 2.0, "reliability": 0.98}
-# the same intent in the client's own query language (`vastai search offers '...'`)
+# min_upload_mbps 430: DeepSeek-7B's final checkpoint (96.7 GB on node 0) within 30 minutes
+FILTERS = {"min_ram_gb": 128, "disk_gb": 200, "max_price": 2.0, "reliability": 0.98, "min_upload_mbps": 430}
+# the same intent in the client's own query language (`vastai search offers '...'`): its field
+# `cuda_vers` is an alias of cuda_max_good, inet_up is Mbit/s
 QUERY = (
     "gpu_name=RTX_4090 num_gpus=3 reliability>=0.98 cpu_ram>=128 disk_space>=200 direct_port_count>=1 dph_total<=2.0"
+    f" cuda_vers>={IMAGE_CUDA} inet_up>=430"
 )
 
 
@@ -63,6 +66,7 @@ def test_the_pinned_client_is_the_one_installed():
 
 
 def test_search_offers(fake, official, prov):
+    fake.offers.append(offer(1011, price=0.6, inet_up=300))  # 300 Mbit/s: 96.7 GB would take 43 min
     start = len(fake.calls)
     theirs = official.search_offers(query=QUERY, order="dph_total", limit=vast.SEARCH_LIMIT, storage=prov.disk_gb)
     (their_call,) = sent(fake, start)
@@ -78,6 +82,9 @@ def test_search_offers(fake, official, prov):
         ours_only={"rented": "a default of the client's api-level search_offers; its query-string path leaves it out"},
     )
     assert not problems, "\n".join(problems)
+    assert their_call.body["cuda_max_good"] == {"gte": IMAGE_CUDA}  # the client's alias, sent as text
+    assert our_call.body["cuda_max_good"] == {"gte": 12.8} and our_call.body["inet_up"] == {"gte": 430}
+    # not 1009 (a CUDA 12.4 driver), 1010 (a dead uplink), 1011 (300 Mbit/s)
     assert [o.id for o in ours] == [str(o["id"]) for o in theirs] == ["1001", "1003"]
 
 

@@ -54,8 +54,10 @@ def up_in_process(project, fake, tmp_path, **extra):
 
 
 def test_search_query_units_filters_and_cheapest_first(fake):
-    prov = VastProvider(api_url=fake.url, min_ram_gb=128, disk_gb=200, max_price=2.0)
+    prov = VastProvider(api_url=fake.url, min_ram_gb=128, disk_gb=200, max_price=2.0, min_upload_mbps=100)
     query = vast.search_query(prov)
+    assert query["cuda_max_good"] == {"gte": 12.8} and query["inet_up"] == {"gte": 100}  # Mbit/s, as Vast has it
+    assert "inet_up" not in vast.search_query(VastProvider())  # unsized: plan did not say (sized_provider does)
     assert query["cpu_ram"] == {"gte": 128_000}  # the API counts MB (the vastai CLI: GB x 1000)
     assert query["disk_space"] == {"gte": 200} and query["dph_total"] == {"lte": 2.0}
     assert query["gpu_name"] == {"eq": "RTX 4090"} and query["num_gpus"] == {"eq": 3}
@@ -63,7 +65,7 @@ def test_search_query_units_filters_and_cheapest_first(fake):
     assert query["external"] == {"eq": False} and query["rented"] == {"eq": False}  # the client's defaults
     assert query["reliability"] == {"gte": 0.98} and query["order"] == [["dph_total", "asc"]]
     offers = vast.BACKEND.find_offers(prov)
-    assert [o.id for o in offers] == ["1001", "1003"]  # not 1008: an external listing
+    assert [o.id for o in offers] == ["1001", "1003"]  # not 1008: external; 1009: CUDA 12.4; 1010: no uplink
     assert offers[0].price_per_hour == 1.05 and offers[0].ram_gb == 257 and offers[0].num_gpus == 3
 
 
@@ -286,7 +288,9 @@ def test_e2e_up_train_self_teardown_down(project, gpuctl, fake, tmp_path, state_
     assert "step 4/4" in train.stdout
     wait_until(lambda: not fake.instances, 120, "the node to delete itself")
     assert fake.deleted == [7000001]
-    assert fake.requests[-1][0] == "DELETE"  # the node's own call, not gpuctl's
+    (delete,) = [c for c in fake.calls if c.method == "DELETE"]
+    assert delete.headers["user-agent"].startswith("Python-urllib")  # the node's own call, not gpuctl's
+    assert "node: gone;" in train.stderr  # train saw the vendor no longer list it, and forgot the cluster
     for _ in range(2):
         down = gpuctl("down", "--yes")
         outputs += [down.stdout, down.stderr]

@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 from provision.cli.app import app
 from provision.core.config import load_config
 from provision.core.errors import ConfigError
-from provision.flows.render import packaged_templates
+from provision.flows.init_config import config_text
 
 pytestmark = pytest.mark.timeout(300)
 RUNNER = CliRunner()
@@ -97,7 +97,7 @@ def test_plan_json_is_always_strict_json(project):
 
 
 def template() -> dict:
-    return yaml.safe_load((packaged_templates() / "gpuctl.yaml").read_text())
+    return yaml.safe_load(config_text("local"))
 
 
 def paths(tree: object, prefix: tuple = ()) -> list[tuple]:

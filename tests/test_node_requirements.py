@@ -178,6 +178,7 @@ def test_up_and_offers_filter_on_plans_figures(project, gpuctl, sshd, monkeypatc
         cfg = {
             "provider": {"kind": "vast", "api_url": fake.url, "max_price": 0.01},
             "train": {"model": "deepseek-7b", "precision": "fp16", "seq_len": 2048, "gradient_checkpointing": True},
+            "storage": {"url": "s3://bucket/gpuctl"},  # `up` gets as far as the offers
         }
         (project / "gpuctl.yaml").write_text(json.dumps(cfg))
         up = gpuctl("up", "--yes")

@@ -147,6 +147,7 @@ def test_vast_boots_the_image_and_gpuctl_trains_on_it_over_ssh(
             name="img-vast",
             bucket=fresh_bucket,
             endpoint=s3_server.endpoint,
+            teardown="never",  # the node is asked about after the run
         )
         up = gpuctl("up", "--yes")
         assert up.returncode == 0, up.stderr
@@ -168,7 +169,13 @@ def test_runpod_boots_the_image_whose_entrypoint_starts_sshd_with_public_key(
         monkeypatch.setenv("RUNPOD_API_KEY", fake.key)
         provider = {"kind": "runpod", "api_url": fake.url, "image": trainer_image.name, "cpu_ranks_fallback": 2}
         (project / "gpuctl.yaml").write_text(
-            yaml.safe_dump({"name": "img-rp", "provider": {**provider, "ready_timeout": 120}})
+            yaml.safe_dump(
+                {
+                    "name": "img-rp",
+                    "provider": {**provider, "ready_timeout": 120},
+                    "storage": {"node_local": True},  # nothing is trained: the default path is fine
+                }
+            )
         )
         up = gpuctl("up", "--yes")
         assert up.returncode == 0, up.stderr

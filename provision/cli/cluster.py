@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -26,19 +27,33 @@ if TYPE_CHECKING:
 app = typer.Typer()
 
 
+class Kind(str, Enum):
+    local = "local"
+    ssh = "ssh"
+    vast = "vast"
+    runpod = "runpod"
+    aws = "aws"
+
+
 @app.command()
 def init(
     path: Annotated[Path, typer.Argument(help="where to write")] = Path("gpuctl.yaml"),
+    provider: Annotated[Kind, typer.Option(help="where the nodes come from")] = Kind.local,
+    storage: Annotated[
+        Optional[str], typer.Option(help="storage.url, e.g. s3://my-bucket/gpuctl (default: a placeholder to set)")
+    ] = None,
     force: Annotated[bool, typer.Option(help="overwrite an existing file")] = False,
 ) -> None:
-    """Write a gpuctl.yaml for the local provider with every field present and commented."""
-    from provision.core.errors import ConfigError
-    from provision.flows.render import packaged_templates
+    """Write a gpuctl.yaml for the provider with every field present and commented (vast, runpod, aws: the
+    DeepSeek-7B target run, a budget cap, teardown after the run)."""
+    from provision.core.config import STORAGE_PLACEHOLDER
+    from provision.flows.init_config import config_text, write
 
-    if path.exists() and not force:
-        raise ConfigError(f"{path} exists", "pass --force to overwrite it")
-    path.write_text((packaged_templates() / "gpuctl.yaml").read_text())
-    say(f"wrote {path}; next: gpuctl up && gpuctl train")
+    write(path, provider.value, storage, force=force)
+    if STORAGE_PLACEHOLDER in config_text(provider.value, storage):
+        say(f"wrote {path}; next: set storage.url to your bucket, then gpuctl offers, gpuctl up, gpuctl train")
+    else:
+        say(f"wrote {path}; next: gpuctl up && gpuctl train")
 
 
 @app.command()
@@ -47,13 +62,18 @@ def up(
     yes: YesOpt = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="show what would be created")] = False,
     skip_doctor: Annotated[bool, typer.Option("--skip-doctor", help="do not run the quick node checks")] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="rent even when gpuctl plan says the config does not fit")
+    ] = False,
 ) -> None:
     """Create (cloud) or connect (local, ssh) the cluster, record it and run the quick node checks."""
     from provision.core.checks import ChecksFailed
     from provision.flows import cluster
     from provision.providers.base import UpOptions
 
-    opts = UpOptions(dry_run=dry_run, assume_yes=yes, confirm=confirmer(yes), say=say, doctor=not skip_doctor)
+    opts = UpOptions(
+        dry_run=dry_run, assume_yes=yes, confirm=confirmer(yes), say=say, doctor=not skip_doctor, force=force
+    )
     try:
         cluster.up(load(config), opts)
     except ChecksFailed as exc:

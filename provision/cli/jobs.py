@@ -36,7 +36,14 @@ def follow_to_end(
         interrupt.answered()  # the detach answers it
         say(f"\ndetached; run {run.run_id} goes on. `gpuctl logs -f` reattaches, `gpuctl cancel` stops it")
         return 130
-    job.fetch_results(run, say)  # `gpuctl report` works after `down`
+    from provision.core.errors import RemoteError
+    from provision.flows.cluster import after_run
+
+    try:
+        job.fetch_results(run, say)  # `gpuctl report` works after `down`
+    except RemoteError as exc:  # a node that deleted itself right after writing its end
+        say(f"warning: the run's result files were not copied ({exc.message}); `gpuctl report` lacks them")
+    after_run(cfg, run, say)
     return job.exit_code_of(status)
 
 
@@ -54,26 +61,41 @@ def train(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="render and print, start nothing")] = False,
     resume: Annotated[bool, typer.Option("--resume", help="continue from the store's latest checkpoint")] = False,
     resume_from: Annotated[Optional[str], typer.Option(help="continue from this checkpoint TAG")] = None,
-    force: Annotated[bool, typer.Option("--force", help="train even on a node whose checks failed")] = False,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force", help="train even on a node whose checks failed, or a config gpuctl plan says does not fit"
+        ),
+    ] = False,
     verbose: VerboseOpt = False,
     as_json: Annotated[bool, typer.Option("--json", help="stream the metrics as JSON lines")] = False,
 ) -> None:
     """Run training on the cluster; follow the logs and exit with the run's exit code."""
     from provision.core import state
-    from provision.core.config import check_batch
+    from provision.core.config import check_batch, check_storage_for_nodes
     from provision.flows import job
+    from provision.flows.cluster import teardown_text
+    from provision.providers import backend
 
     cfg = load(config)
     resume_tag = resume_from or ("latest" if resume else None)
     if dry_run:
         _print_dry_run(cfg, resume_tag)
         return
-    check_batch(cfg.train, _planned_or_recorded(cfg).world_size)  # a config error comes first
+    check_storage_for_nodes(cfg)  # config errors come first, before any machine is asked
+    shape = _planned_or_recorded(cfg)
+    if not force:
+        from provision.estimate.fit import check_fits
+
+        check_fits(cfg, shape)
+    check_batch(cfg.train, shape.world_size)
     cluster = state.load_cluster(cfg.cluster_name)
     if not force:  # `up`'s quick checks (or the last `gpuctl doctor`) found a node that cannot run it
         from provision.flows.doctor import refuse_failed
 
         refuse_failed(cluster)
+    if backend(cluster.provider).terminates_nodes:
+        say(teardown_text(cfg))
     run = job.start_run(cfg, cluster, resume=resume_tag, say=say)
     if detach:
         typer.echo(run.run_id)

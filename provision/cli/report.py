@@ -1,4 +1,5 @@
-"""`gpuctl report`: the seed article's table and a PNG of loss and tokens/s, from finished runs."""
+"""`gpuctl report`: the throughput table (mode, batch, tokens/s, memory per GPU, scaling) and a PNG of loss
+and tokens/s, from finished runs."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def report(
         "gpuctl-report"
     ),
 ) -> None:
-    """A Markdown table like the seed article's and a PNG of loss and tokens/s over steps."""
+    """The throughput table (mode, batch, tokens/s, memory per GPU, scaling) in Markdown, and a PNG of loss and
+    tokens/s over steps."""
     from provision.estimate.report import report_markdown, report_png
 
     run_ids: list[str | None] = list(runs) if runs else [None]

@@ -24,6 +24,10 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 # secrets.env names gpuctl fills itself (storage credentials, the launcher's own variables)
 RESERVED_SECRETS = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "PATH", "HOME", "PYTHONPATH"}
 MAX_STEPS = 100_000_000  # optimizer steps; a bound far past any run, so no value is absurd
+RENTING = ("vast", "runpod", "aws")  # providers whose nodes are rented: they bill until deleted
+# What `gpuctl init --provider vast|runpod|aws` writes as storage.url: `up` and `train` refuse it until set
+# (upper case: no S3 bucket can have this name).
+STORAGE_PLACEHOLDER = "s3://CHANGE-ME/gpuctl"
 
 
 class UniqueKeyLoader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML ships no type information
@@ -94,6 +98,11 @@ class StorageConfig(Strict):
     region: str | None = None
     profile: str | None = Field(default=None, description="AWS profile on the laptop")
     keep: int = Field(default=3, ge=1, le=1000, description="newest complete checkpoints kept in the store")
+    node_local: bool = Field(
+        default=False,
+        description="a path or file:// url with a rented node: the checkpoints stay on the node's disk and go "
+        "with it; true says you accept that (else `up` and `train` refuse it)",
+    )
 
     @field_validator("url")
     @classmethod
@@ -130,6 +139,7 @@ class GpuctlConfig(Strict):
     provider: Provider = Field(default_factory=LocalProvider)
     train: TrainConfig = Field(default_factory=TrainConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
+    # unset: after-train on a renting provider (vast, runpod, aws), never on local and ssh (_default_teardown)
     teardown: Literal["never", "after-train"] = "never"
     docker: DockerConfig = Field(default_factory=DockerConfig)
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)  # a lost node: core/recovery.py
@@ -143,6 +153,18 @@ class GpuctlConfig(Strict):
 
     # Where the file was read from; relative paths resolve against it.
     base_dir: Path = Field(default_factory=Path.cwd, exclude=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_teardown(cls, data: object) -> object:
+        """A rented node bills until it is deleted: unless gpuctl.yaml says otherwise, it deletes itself
+        once the run ends (after the final checkpoint is stored). `never` only where it is written."""
+        if isinstance(data, dict) and "teardown" not in data:
+            prov = data.get("provider")
+            kind = prov.get("kind") if isinstance(prov, dict) else getattr(prov, "kind", None)
+            if kind in RENTING:
+                return {**data, "teardown": "after-train"}
+        return data
 
     @field_validator("env")
     @classmethod
@@ -202,6 +224,23 @@ class GpuctlConfig(Strict):
         return (self.base_dir / self.storage.url).resolve().as_uri()
 
 
+def check_storage_for_nodes(cfg: GpuctlConfig) -> None:
+    """`up` and `train` on a renting provider: the checkpoints must outlive the node."""
+    if cfg.provider.kind not in RENTING:
+        return
+    url = cfg.storage.url
+    if url == STORAGE_PLACEHOLDER:
+        raise ConfigError(
+            f"storage.url is still the placeholder {url}",
+            "set storage.url in gpuctl.yaml to your bucket, e.g. s3://my-bucket/gpuctl (`gpuctl init --storage URL`)",
+        )
+    if urlparse(url).scheme != "s3" and not cfg.storage.node_local:
+        raise ConfigError(
+            f"storage.url {url} is a path on the rented {cfg.provider.kind} node: its checkpoints go with the node",
+            "set storage.url to s3://bucket/prefix, or storage.node_local: true to accept losing them",
+        )
+
+
 def world_size(cfg: GpuctlConfig, slots_per_node: list[int]) -> int:
     return sum(slots_per_node)
 
@@ -230,6 +269,9 @@ def _format_validation(err: ValidationError, path: Path) -> ConfigError:
         msg, fix = "unknown provider kind", "use one of local, ssh, vast, runpod, aws"
     else:
         fix = f"correct {where} in {path.name}"
+    kind = next((str(p) for p in first["loc"][1:2] if first["loc"][0] == "provider" and str(p) in RENTING), None)
+    if kind and first["type"] != "union_tag_invalid":  # e.g. a local config whose kind was changed by hand
+        fix += f"; `gpuctl init --provider {kind} FILE` writes a {kind} config with every key it takes"
     more = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
     return ConfigError(f"{path}: {where}: {msg}{more}", fix)
 

@@ -7,8 +7,13 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+# The driver CUDA the trainer image needs: its base and torch build are CUDA 12.8 (Dockerfile's BASE_IMAGE,
+# images/requirements-torch-cuda.txt's `# cuda:` pin; tests/test_init.py keeps the three in agreement).
+# Renting providers rent only hosts whose driver speaks at least this (vast cuda_max_good, runpod
+# allowedCudaVersions): an older driver fails the doctor after the host is rented, still billing.
+IMAGE_CUDA = "12.8"
 HOST_RE = re.compile(r"^(?:(?P<user>[A-Za-z0-9._-]+)@)?(?P<host>[A-Za-z0-9.:_-]+?)(?::(?P<port>\d{1,5}))?$")
 
 
@@ -111,8 +116,34 @@ class CloudProvider(Strict):
         "None: a node without a visible GPU is an error and is terminated",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_plans(cls, data: object) -> object:
+        """`min_ram_gb: null` / `disk_gb: null` (what `gpuctl init` writes) leave them unset: plan's figures."""
+        if isinstance(data, dict) and any(data.get(k, 0) is None for k in ("min_ram_gb", "disk_gb")):
+            return {k: v for k, v in data.items() if not (k in ("min_ram_gb", "disk_gb") and v is None)}
+        return data
 
-class VastProvider(CloudProvider):
+
+class MarketProvider(CloudProvider):
+    """The hosts of a marketplace (vast, runpod) differ in driver and uplink: filter on both."""
+
+    max_final_upload_min: float = Field(
+        default=30,
+        gt=0,
+        le=24 * 60,
+        description="the final checkpoint must upload within this many minutes at the host's advertised "
+        "upload bandwidth: slower hosts are not rented",
+    )
+    min_upload_mbps: float | None = Field(
+        default=None,
+        ge=0,
+        le=1_000_000,
+        description="host upload, Mbit/s; unset: plan's final checkpoint over max_final_upload_min",
+    )
+
+
+class VastProvider(MarketProvider):
     kind: Literal["vast"] = "vast"
     reliability: float = Field(default=0.98, ge=0, le=1)
     verified: bool = True
@@ -120,7 +151,7 @@ class VastProvider(CloudProvider):
     bid_per_gpu: float | None = Field(default=None, gt=0, le=1000, description="bid $/h per GPU; default the minimum")
 
 
-class RunPodProvider(CloudProvider):
+class RunPodProvider(MarketProvider):
     kind: Literal["runpod"] = "runpod"
     gpu: str = Field(default="NVIDIA GeForce RTX 4090", description="RunPod gpuTypeId")
     cloud_type: Literal["SECURE", "COMMUNITY", "ALL"] = "ALL"

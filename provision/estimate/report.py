@@ -203,7 +203,7 @@ def _pick_baseline(runs: list[RunReportInput], run: RunReportInput) -> RunReport
 def report_markdown(
     runs: list[RunReportInput], baseline: RunReportInput | None = None, skip_steps: int | None = None
 ) -> str:
-    """The seed article's table for one or more runs: mode, batch size, tokens/s, memory per GPU, plus scaling
+    """The throughput table for one or more runs: mode, batch size, tokens/s, memory per GPU, plus scaling
     efficiency against `baseline` (default: the 1-rank run of the same kind among `runs`, when there is one)."""
     if not runs:
         raise ReportError("no runs to report")

@@ -2,7 +2,9 @@
 
 `up` and `offers` rent with `sized_provider(cfg)`: provider.min_ram_gb and disk_gb that gpuctl.yaml leaves
 out become plan's node figures (provision.estimate.node), never below the config's defaults (128 GB RAM,
-200 GB disk: what a 3-GPU rental has anyway); a model plan does not know keeps the defaults.
+200 GB disk: what a 3-GPU rental has anyway); a model plan does not know keeps the defaults. On a marketplace
+(vast, runpod) an unset provider.min_upload_mbps becomes the uplink that stores plan's final checkpoint (the
+busiest node's share) within provider.max_final_upload_min.
 """
 
 from __future__ import annotations
@@ -61,18 +63,65 @@ def node_figures(cfg: GpuctlConfig) -> NodeRequirements | None:
         return None
 
 
+def final_checkpoint_bytes(cfg: GpuctlConfig) -> int | None:
+    """One save on the busiest node (node 0) by plan's figures; None when plan does not know the model or GPU."""
+    from provision.estimate.checkpoint_cost import save_bytes
+    from provision.estimate.plan import PlanInput, plan
+
+    fields = plan_input(cfg)
+    if fields.get("model") not in KNOWN_MODELS:
+        return None
+    try:
+        return save_bytes(plan(PlanInput(**fields)), cfg.train.strategy)[0]
+    except PlanError:
+        return None
+
+
+def upload_mbps_for(cfg: GpuctlConfig, minutes: float) -> float | None:
+    """The host uplink (Mbit/s) that stores the final checkpoint within `minutes`; None: plan cannot say."""
+    size = final_checkpoint_bytes(cfg)
+    return None if size is None else float(max(1, math.ceil(size * 8 / 1e6 / (minutes * 60))))
+
+
 def sized_provider(cfg: GpuctlConfig) -> CloudProvider:
-    """cfg.provider with min_ram_gb and disk_gb raised to plan's figures where gpuctl.yaml leaves them out."""
-    from provision.core.provider_config import CloudProvider
+    """cfg.provider with min_ram_gb and disk_gb raised to plan's figures where gpuctl.yaml leaves them out,
+    and a marketplace's min_upload_mbps from plan's final checkpoint."""
+    from provision.core.provider_config import CloudProvider, MarketProvider
 
     prov = cfg.provider
     assert isinstance(prov, CloudProvider)
+    uplink = upload_mbps_for(cfg, prov.max_final_upload_min) if isinstance(prov, MarketProvider) else None
+    if isinstance(prov, MarketProvider) and prov.min_upload_mbps is None and uplink is not None:
+        prov = prov.model_copy(update={"min_upload_mbps": uplink})
     unset = {"min_ram_gb", "disk_gb"} - prov.model_fields_set
     req = node_figures(cfg) if unset else None
     if req is None:
         return prov
     figures = {"min_ram_gb": float(math.ceil(req.ram_gb)), "disk_gb": float(math.ceil(req.disk_gb))}
     return prov.model_copy(update={k: max(v, getattr(prov, k)) for k, v in figures.items() if k in unset})
+
+
+def market_note(cfg: GpuctlConfig, prov: CloudProvider) -> str:
+    """Why a marketplace's offers must have this uplink and this driver CUDA, in words."""
+    from provision.core.provider_config import IMAGE_CUDA, MarketProvider
+
+    if not isinstance(prov, MarketProvider):
+        return ""
+    cuda = f"driver CUDA >= {IMAGE_CUDA} (the trainer image is a CUDA {IMAGE_CUDA} build)"
+    if prov.min_upload_mbps is None:
+        return (
+            f"; {cuda}; upload bandwidth not filtered: gpuctl plan does not know {cfg.train.model} "
+            "(set provider.min_upload_mbps)"
+        )
+    if getattr(cfg.provider, "min_upload_mbps", None) is not None:
+        why = "provider.min_upload_mbps"
+    else:
+        size = final_checkpoint_bytes(cfg) or 0
+        why = (
+            f"the final checkpoint, {size / 1e9:,.1f} GB on node 0 by gpuctl plan, within "
+            f"provider.max_final_upload_min {prov.max_final_upload_min:g} min"
+        )
+    return f"; {cuda}; host upload >= {prov.min_upload_mbps:g} Mbit/s ({why})"
 
 
 def sizing_note(cfg: GpuctlConfig, prov: CloudProvider) -> str:
@@ -88,7 +137,7 @@ def sizing_note(cfg: GpuctlConfig, prov: CloudProvider) -> str:
     if req is None:
         return (
             f"host RAM >= {prov.min_ram_gb:g} GB, disk >= {prov.disk_gb:g} GB: gpuctl plan does not know {train.model}, "
-            "so these are gpuctl.yaml's values or the defaults"
+            "so these are gpuctl.yaml's values or the defaults" + market_note(cfg, prov)
         )
     plan_ram, plan_disk = math.ceil(req.ram_gb), math.ceil(req.disk_gb)
     ram_from = "provider.min_ram_gb" if "min_ram_gb" in cfg.provider.model_fields_set else "gpuctl plan"
@@ -96,5 +145,5 @@ def sizing_note(cfg: GpuctlConfig, prov: CloudProvider) -> str:
     return (
         f"host RAM >= {prov.min_ram_gb:g} GB ({ram_from}; plan needs {plan_ram} GB: the worst of load, steady and "
         f"resume + {req.reserve_gb:g} GB for the OS), disk >= {prov.disk_gb:g} GB ({disk_from}; plan needs "
-        f"{plan_disk} GB) for {what}; set provider.min_ram_gb / disk_gb to choose yourself"
+        f"{plan_disk} GB) for {what}; set provider.min_ram_gb / disk_gb to choose yourself" + market_note(cfg, prov)
     )

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from provision.core import interrupt, state
-from provision.core.config import GpuctlConfig, check_batch
+from provision.core.config import GpuctlConfig, check_batch, check_storage_for_nodes
 from provision.core.errors import GpuctlError, RemoteError, StateError
 from provision.flows import job
 from provision.providers import backend
@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 ACTIVE = ("starting", "running")
 STOP_GRACE_S = 20.0  # TERM -> KILL for a run's process group in `down`
+SELF_TEARDOWN_WAIT_S = 180.0  # a run that ended: how long its rented nodes have to be gone from the vendor's list
 
 
 def up(cfg: GpuctlConfig, opts: UpOptions) -> state.ClusterRecord | None:
@@ -36,8 +37,16 @@ def _up(cfg: GpuctlConfig, opts: UpOptions) -> state.ClusterRecord | None:
     elif existing is not None:
         opts.say(f"cluster {existing.name} is already up ({existing.world_size} ranks)")
         return existing
-    check_batch(cfg.train, planned(cfg).world_size)  # before anything is created
+    check_storage_for_nodes(cfg)  # before anything is created: checkpoints that outlive a rented node
+    shape = planned(cfg)
+    if not opts.force:
+        from provision.estimate.fit import check_fits
+
+        check_fits(cfg, shape)
+    check_batch(cfg.train, shape.world_size)
     provider = backend(cfg.provider.kind)
+    if provider.terminates_nodes:
+        opts.say(teardown_text(cfg))
     record = provider.up(cfg, opts)
     if record is None:
         return None
@@ -79,6 +88,16 @@ def _finish_up(cfg: GpuctlConfig, record: state.ClusterRecord, provider: Provide
     except BaseException as exc:  # an image that does not pull, a guard that does not start, a bug
         provider.undo_up(record, opts.say, exc)
         raise
+
+
+def teardown_text(cfg: GpuctlConfig) -> str:
+    """What becomes of a rented node when the run ends, for `up` and `train` to say."""
+    if cfg.teardown == "after-train":
+        return (
+            f"teardown after-train: the {cfg.provider.kind} node deletes itself when the run ends, once its final "
+            "checkpoint is stored"
+        )
+    return f"teardown never (gpuctl.yaml): the {cfg.provider.kind} node bills after the run until `gpuctl down`"
 
 
 def _quick_checks(cfg: GpuctlConfig, record: state.ClusterRecord, opts: UpOptions) -> None:
@@ -189,6 +208,42 @@ def _down_cluster(cluster: state.ClusterRecord, say: Callable[[str], None], grac
 
     sshconfig.refresh()
     say(f"cluster {name} is down")
+
+
+def after_run(cfg: GpuctlConfig | None, run: state.RunRecord, say: Callable[[str], None]) -> None:
+    """A followed run on rented nodes ended: say whether they are gone or still billing. Nodes that deleted
+    themselves (teardown after-train) are checked against the vendor's own list, and their cluster is then
+    forgotten with what `up` made beside them (AWS: its security group and key pair): no `gpuctl down`."""
+    from provision.providers.cloud import CloudBackend
+
+    cluster = state.find_cluster(run.cluster)
+    provider = backend(cluster.provider) if cluster else None
+    if cluster is None or not isinstance(provider, CloudBackend):
+        return
+    kind, price = cluster.provider, f"${cluster.price_per_hour:.3f}/h" if cluster.price_per_hour else "by the hour"
+    if cfg is None or cfg.cluster_name != cluster.name or cfg.teardown != "after-train":
+        say(f"node: the {kind} cluster {cluster.name} is still up and billing {price}: `gpuctl down` deletes it")
+        return
+    ids = [n.instance_id for n in cluster.nodes if n.instance_id]
+    try:
+        provider.wait_gone(cluster, ids, timeout_s=SELF_TEARDOWN_WAIT_S)
+    except GpuctlError:
+        say(
+            f"node: {kind} still lists instance(s) {', '.join(ids)} {SELF_TEARDOWN_WAIT_S:.0f} s after the run "
+            f"ended, so it may still be billing {price}: `gpuctl down` terminates it"
+        )
+        return
+    with state.cluster_lock(cluster.name, "down"):
+        provider.release(cluster, say)
+        provider.forget_local(cluster)
+        state.delete_cluster(cluster.name)
+    from provision.transport.ssh import client_config as sshconfig
+
+    sshconfig.refresh()
+    say(
+        f"node: gone; {kind} instance(s) {', '.join(ids)} deleted themselves after the run (teardown after-train), "
+        "billing stopped"
+    )
 
 
 def planned(cfg: GpuctlConfig) -> state.ClusterRecord:

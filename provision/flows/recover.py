@@ -199,7 +199,10 @@ def recover(cfg: GpuctlConfig, run: state.RunRecord, reason: str, say: Callable[
             say(f"restart {len(run.restarts) + 1} of {allowed}: terminating {old_ids}, renting another cluster")
             cluster_flow.down(old.name, say)
             new = _up_again(
-                cfg, UpOptions(assume_yes=True, say=say, exclude_hosts=exclude, spent_hours=hours, spent_cost=cost)
+                cfg,
+                UpOptions(
+                    assume_yes=True, force=True, say=say, exclude_hosts=exclude, spent_hours=hours, spent_cost=cost
+                ),
             )
         tag, step, stored = _newest_checkpoint(cfg, say)
         seed = _metrics_upto(run, step, stored)

@@ -48,6 +48,7 @@ class UpOptions:
     confirm: Callable[[str], bool] = lambda _question: True
     say: Callable[[str], None] = print
     doctor: bool = True  # run the quick checks (flows/doctor.py) once the cluster is up
+    force: bool = False  # rent even when `gpuctl plan` says the config does not fit (estimate/fit.py)
     # A recovered run (flows/recover.py): hosts not to rent again, and what earlier clusters
     # of the run spent, which the budget cap counts too.
     exclude_hosts: set[str] = field(default_factory=set)

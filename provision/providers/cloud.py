@@ -245,8 +245,9 @@ class CloudBackend(ProviderBackend):
         """Create one instance per pick (its id recorded as soon as the vendor answers, and appended
         to `created`), then wait until every node is ready; the node-to-node SSH of a multi-node
         cluster last."""
-        prov = cfg.provider
-        assert isinstance(prov, CloudProvider)
+        from provision.estimate.sizing import sized_provider
+
+        prov = sized_provider(cfg)  # what the offers were searched with: disk, RAM, uplink as plan sized them
         self.prepare(prov, record, public_key)
         for node, offer in zip(record.nodes, picks, strict=True):
             assert node.label is not None  # planned_node gave it one

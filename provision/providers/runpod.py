@@ -15,10 +15,14 @@ parsed as query syntax. tests/test_cloud_oracle_runpod.py compares the two.
   that is nan, negative or not a number is an error naming it; null or 0 means none offered.
 - create: podFindAndDeployOnDemand(input: {name, imageName, gpuTypeId, gpuCount, cloudType,
   containerDiskInGb, volumeInGb, minMemoryInGb, ports: "22/tcp", supportPublicIp, startSsh,
-  env: [{key, value}]}) -> id; podRentInterruptable(input: {..., bidPerGpu}) for spot. The pod
-  IS the container; its name is gpuctl's label (providers/labels.py). The cluster key goes in
-  env SSH_PUBLIC_KEY, RunPod's documented per-pod key (docs:
-  pods/configuration/override-public-keys); RunPod still injects the account's own key
+  env: [{key, value}], allowedCudaVersions, minUpload}) -> id; podRentInterruptable(input: {...,
+  bidPerGpu}) for spot (its input has no minUpload: spot pods are not filtered on upload). The
+  host filters as the client's create_pod sends them: allowedCudaVersions lists RunPod's CUDA
+  versions from the image's CUDA up (RunPod places the pod on a host whose driver offers one),
+  minUpload the host uplink in Mbit/s (sized_provider: the final checkpoint within
+  max_final_upload_min). The pod IS the container; its name is gpuctl's label
+  (providers/labels.py). The cluster key goes in env SSH_PUBLIC_KEY, RunPod's documented per-pod key
+  (docs: pods/configuration/override-public-keys); RunPod still injects the account's own key
   as PUBLIC_KEY, and gpuctl's image installs both (images/entrypoint.sh, sshd with GPUCTL_SSHD=1).
 - ready: pod(input: {podId}) { runtime { ports { ip isIpPublic privatePort publicPort type } } }
   has the public TCP port for 22 (RUNNING is reported while the image still pulls: then an
@@ -36,12 +40,13 @@ URLs); key from $RUNPOD_API_KEY or ~/.runpod/config.toml (apikey / api_key).
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
 
 from provision.core.errors import AuthError, NoOfferError, ProviderError
-from provision.core.provider_config import CloudProvider, RunPodProvider
+from provision.core.provider_config import IMAGE_CUDA, CloudProvider, RunPodProvider
 from provision.core.state import ClusterRecord, NodeRecord
 from provision.core.terminal import scrub
 from provision.providers.answers import RunPodGpu, RunPodPod, RunPodPrice, items, listed, obj, read
@@ -56,6 +61,8 @@ VENDOR = "RunPod"
 KEY_ENV = "RUNPOD_API_KEY"
 KEY_FILES = [Path("~/.runpod/config.toml")]
 FAILED = ("EXITED", "TERMINATED")
+# The host CUDA versions RunPod's allowedCudaVersions takes (its API's CudaVersion enum)
+CUDA_VERSIONS = ("11.8", "12.0", "12.1", "12.2", "12.3", "12.4", "12.5", "12.6", "12.7", "12.8", "12.9", "13.0")
 NO_CAPACITY = re.compile(r"no longer any instances available|not enough|no available|out of stock", re.I)
 
 OFFERS = """query GpuOffers($gpu: GpuTypeFilter, $secure: GpuLowestPriceInput, $community: GpuLowestPriceInput) {
@@ -76,6 +83,12 @@ POD = f"query Pod($input: PodFilter!) {{ pod(input: $input) {{ {POD_FIELDS} }} }
 PODS = f"query Pods {{ myself {{ pods {{ {POD_FIELDS} }} }} }}"
 POD_CHECK = "query Pod($input: PodFilter!) { pod(input: $input) { id desiredStatus } }"
 TERMINATE = "mutation Terminate($input: PodTerminateInput!) { podTerminate(input: $input) }"
+
+
+def allowed_cuda() -> list[str]:
+    """The host CUDA versions that run the image: IMAGE_CUDA and every newer one RunPod names."""
+    need = tuple(int(x) for x in IMAGE_CUDA.split("."))
+    return [v for v in CUDA_VERSIONS if tuple(int(x) for x in v.split(".")) >= need]
 
 
 def _parse_config(text: str) -> str:
@@ -143,6 +156,12 @@ class RunPodBackend(CloudBackend):
             f"gpuCount={prov.gpus_per_node}",
             f"minMemoryInGb={prov.min_ram_gb:g}",
             f"cloudType={prov.cloud_type}",
+            f"allowedCudaVersions>={IMAGE_CUDA}",
+            ""
+            if not prov.min_upload_mbps
+            else "no upload filter for spot pods"
+            if prov.interruptible
+            else f"minUpload={prov.min_upload_mbps:g} Mbit/s",
             "spot" if prov.interruptible else "on-demand",
             f"price<=${prov.max_price}/h per node" if prov.max_price else "",
         ]
@@ -210,7 +229,10 @@ class RunPodBackend(CloudBackend):
                 {"key": "GPUCTL_CLUSTER", "value": cluster.name},
                 *({"key": k, "value": v} for k, v in workdir_env(prov).items()),  # the entrypoint's boot hook
             ],
+            "allowedCudaVersions": allowed_cuda(),
         }
+        if prov.min_upload_mbps and not prov.interruptible:
+            pod["minUpload"] = math.ceil(prov.min_upload_mbps)  # Int, Mbit/s
         if prov.interruptible:
             pod["bidPerGpu"] = round(offer.price_per_hour / prov.gpus_per_node, 4)
             data = gql(api(cluster.api_url), DEPLOY_SPOT, {"input": pod}, idempotent=False).get("podRentInterruptable")

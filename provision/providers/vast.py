@@ -4,8 +4,9 @@ vastai/api/{offers,instances,keys}.py) sends it; tests/test_cloud_oracle_vast.py
 - search: POST /api/v0/bundles/ {"field": {"op": value}, order, type, allocated_storage, limit}
   with the client's defaults verified/external=false/rentable/rented. Units as the API has them:
   cpu_ram in MB (the client multiplies GB by 1000), disk_space in GB, dph_total in $/h for the
-  whole offer (its GPUs plus `allocated_storage` GB of disk). A dph_total or min_bid that is
-  nan, 0, negative or not a number is an error naming the field: no cost or cap could hold.
+  whole offer (its GPUs plus `allocated_storage` GB of disk), inet_up in Mbit/s, cuda_max_good the
+  driver's CUDA (the client's `cuda_vers>=12.8` is `cuda_max_good: {gte: "12.8"}`). A dph_total or
+  min_bid that is nan, 0, negative or not a number is an error naming the field: no cost or cap could hold.
 - create: PUT /api/v0/asks/{offer_id}/ {client_id: "me", image, disk, label, env, onstart,
   runtype: "ssh_direc ssh_proxy", cancel_unavail: true} -> {"success": true, "new_contract": id}.
   ssh_direc + ssh_proxy: a direct port where the host has one, Vast's proxy always (what the
@@ -33,7 +34,7 @@ from typing import Any
 from urllib.parse import quote_plus
 
 from provision.core.errors import AuthError, ProviderError
-from provision.core.provider_config import CloudProvider, VastProvider
+from provision.core.provider_config import IMAGE_CUDA, CloudProvider, VastProvider
 from provision.core.state import ClusterRecord, NodeRecord
 from provision.providers.answers import VastContract, VastInstance, VastOffer, VastPort, items, listed, obj, read
 from provision.providers.base import BOOT_HOOK, Offer, SelfTeardown, workdir_env
@@ -91,6 +92,7 @@ def search_query(prov: VastProvider) -> dict[str, Any]:
         "cpu_ram": {"gte": round(prov.min_ram_gb * MB_PER_GB)},
         "disk_space": {"gte": prov.disk_gb},
         "direct_port_count": {"gte": 1},  # ssh_direc needs one (the proxy is the fallback)
+        "cuda_max_good": {"gte": float(IMAGE_CUDA)},  # the image's CUDA build runs on this driver or newer
         "order": [["dph_total", "asc"]],
         "type": "bid" if prov.interruptible else "on-demand",  # the client's offer_type "interruptible"
         "allocated_storage": prov.disk_gb,  # prices include this much storage
@@ -100,6 +102,8 @@ def search_query(prov: VastProvider) -> dict[str, Any]:
         del query["verified"]
     if prov.max_price:
         query["dph_total"] = {"lte": prov.max_price}
+    if prov.min_upload_mbps:  # sized_provider: the final checkpoint uploads within max_final_upload_min
+        query["inet_up"] = {"gte": prov.min_upload_mbps}
     return query
 
 
@@ -201,6 +205,8 @@ class VastBackend(CloudBackend):
             f"cpu_ram>={prov.min_ram_gb:g} GB",
             f"disk_space>={prov.disk_gb:g} GB",
             f"reliability>={prov.reliability}",
+            f"cuda_max_good>={IMAGE_CUDA}",
+            f"inet_up>={prov.min_upload_mbps:g} Mbit/s" if prov.min_upload_mbps else "",
             "rentable",
             "verified" if prov.verified else "",
             f"dph_total<=${prov.max_price}/h" if prov.max_price else "",

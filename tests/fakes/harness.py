@@ -77,10 +77,13 @@ def saved_run(cluster: str, run_id: str, *, pgid: int = 999999, run_dir: str = "
 
 
 def write_config(project: Path, provider: dict, *, name: str, teardown: str = "never", **train) -> Path:
+    """teardown: written out (a renting provider's default is after-train). storage: a path with
+    node_local, as the stand-in node is this machine, so its disk is the laptop's."""
     cfg = {
         "name": name,
         "provider": provider,
         "teardown": teardown,
+        "storage": {"node_local": True},
         "train": {"max_steps": 4, "checkpoint_every": 0, "log_every": 1, **train},
         # the node's launch.sh does not inherit the test's env: share DeepSpeed's op cache explicitly
         "env": {

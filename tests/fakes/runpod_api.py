@@ -10,7 +10,9 @@ client's (values pasted inline) are parsed, validated and executed alike:
   more than maxGpuCount GPUs -> all null;
 - podFindAndDeployOnDemand / podRentInterruptable (bidPerGpu required) -> Pod; no machine with
   minMemoryInGb -> the documented "There are no longer any instances available..." error;
-  costPerHr = per-GPU price x gpuCount (what the pod is billed);
+  costPerHr = per-GPU price x gpuCount (what the pod is billed); the machines' driver CUDA
+  (`host_cuda`) not in allowedCudaVersions, or their uplink (`host_upload_mbps`) below minUpload:
+  the same error;
 - pod(input: PodFilter) -> Pod or null; myself { pods }; podTerminate(input) -> Void ("pod not
   found to terminate" when gone).
 Pods: runtime is null for `boot_polls` reads (RUNNING while the image pulls), then 22/tcp points
@@ -145,6 +147,8 @@ class FakeRunPod(FakeApi):
         default_factory=lambda: [gpu_type(), gpu_type("NVIDIA RTX A6000", "RTX A6000", 0.79, 0.49)]
     )
     host_memory_gb: int = 251  # the biggest machine: minMemoryInGb above this finds none
+    host_cuda: str = "12.8"  # the machines' driver CUDA: allowedCudaVersions without it finds none
+    host_upload_mbps: int = 1000  # the machines' uplink: minUpload above this finds none
     pods: dict[str, dict] = field(default_factory=dict)
     terminated: list[str] = field(default_factory=list)
     deploy_inputs: list[dict] = field(default_factory=list)
@@ -244,6 +248,10 @@ class FakeRunPod(FakeApi):
     def _deploy(self, arg: dict, spot: bool) -> dict:
         gpu = next((g for g in self.gpu_types if g["id"] == arg["gpuTypeId"]), None)
         if gpu is None or (arg.get("minMemoryInGb") or 0) > self.host_memory_gb:
+            raise GraphQLError(NO_CAPACITY)
+        if arg.get("allowedCudaVersions") and self.host_cuda not in arg["allowedCudaVersions"]:
+            raise GraphQLError(NO_CAPACITY)
+        if (arg.get("minUpload") or 0) > self.host_upload_mbps:
             raise GraphQLError(NO_CAPACITY)
         self.deploy_inputs.append(arg)
         secure = arg["cloudType"] == "SECURE"

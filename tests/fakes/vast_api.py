@@ -84,6 +84,8 @@ def offer(
     rentable=True,
     external=False,
     where="Fakeland, FK",
+    cuda=12.8,
+    inet_up=800.0,
 ) -> dict:
     return {
         "id": id,
@@ -104,16 +106,17 @@ def offer(
         "direct_port_count": 40,
         "geolocation": where,
         "inet_down": 900.0,
-        "inet_up": 800.0,
+        "inet_up": inet_up,
         "gpu_ram": 24564,
-        "cuda_max_good": 12.4,
+        "cuda_max_good": cuda,
         "external": external,
         "score": 100.0 - price,
     }
 
 
 def default_offers() -> list[dict]:
-    """Two that match the defaults (3 x RTX 4090, >= 128 GB RAM, reliable, verified) and decoys."""
+    """Two that match the defaults (3 x RTX 4090, >= 128 GB RAM, reliable, verified, a driver for CUDA 12.8,
+    a working uplink) and decoys."""
     return [
         offer(1001, price=1.05),
         offer(1002, price=0.55, ram_mb=64_000),  # too little RAM (64 GB)
@@ -123,6 +126,8 @@ def default_offers() -> list[dict]:
         offer(1006, price=0.80, reliability=0.90),
         offer(1007, price=0.70, verified=False),
         offer(1008, price=0.65, external=True),  # an external listing: the client hides it
+        offer(1009, price=0.45, cuda=12.4),  # a driver too old for the image's CUDA 12.8
+        offer(1010, price=1.50, inet_up=0.8),  # an uplink that would take days for any checkpoint
     ]
 
 
