@@ -25,6 +25,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from provision.core.checks import DoctorResult
 from provision.core.errors import ClusterBusy, ConfigError, NotFoundError, StateError
+from provision.core.provider_config import SlurmProvider
 from provision.core.ssh_route import SSHRoute
 from trainer.objstore.atomic import atomic_write
 
@@ -66,6 +67,7 @@ class ClusterRecord(BaseModel):
     # Earlier clusters of a recovered run (flows/recover.py): the budget cap counts across them.
     spent_hours: float = 0.0
     spent_cost: float = 0.0
+    slurm: SlurmProvider | None = None  # provider slurm: login and job shape, so `down` needs no config
 
     @property
     def world_size(self) -> int:

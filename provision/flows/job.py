@@ -164,6 +164,7 @@ class RunStatus:
     status: dict[str, Any]
     summary: dict[str, Any]
     last_metrics: dict[str, Any]
+    queue: str | None = None  # a batch scheduler's word on the run (provider slurm: PENDING and why)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -181,6 +182,7 @@ class RunStatus:
             "started_at": self.status.get("started_at"),
             "ended_at": self.status.get("ended_at"),
             "restarts": [event.model_dump() for event in self.record.restarts],
+            "queue": self.queue,
         }
 
 
@@ -209,7 +211,8 @@ def read_status(run: state.RunRecord, node: Node) -> RunStatus:
         run_state = status.get("state", "running")
         if run_state == "running":
             run_state = "lost"  # killed without writing its end (kill -9, node reboot)
-    result = RunStatus(run, run_state, status.get("exit_code"), status, summary, _json_or_empty(tail))
+    queue = node.queue_state(run.pgid) if run.pgid and run_state == "running" else None
+    result = RunStatus(run, run_state, status.get("exit_code"), status, summary, _json_or_empty(tail), queue)
     if run_state != run.state or result.exit_code != run.exit_code:
         state.update_run(run.run_id, state=run_state, exit_code=result.exit_code)
     return result
@@ -282,7 +285,7 @@ def follow(
 
     A dropped connection is retried until reconnect_s passes without a successful read.
     """
-    offset = 0
+    offset, queue = 0, None
 
     def poll(node: Node) -> tuple[RunStatus, tuple[str, int]]:
         # status first: once it is terminal, the log read next is complete
@@ -295,6 +298,9 @@ def follow(
             if got is None:
                 continue
             status, (chunk, offset) = got
+            if status.queue and status.queue != queue:
+                out(f"gpuctl: {status.queue}")
+            queue = status.queue or queue
             for line in chunk.splitlines():
                 out(line)
             if not until_end or status.state in TERMINAL:

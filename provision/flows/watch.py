@@ -181,6 +181,7 @@ class Feed:
     log: Tail = field(init=False)
     metrics: Tail = field(init=False)
     events: Tail = field(init=False)
+    queue: str | None = None  # the scheduler's last word (provider slurm), shown as a phase when it changes
 
     def __post_init__(self) -> None:
         d = self.run.run_dir
@@ -192,7 +193,11 @@ class Feed:
 
     def poll(self, node: Node) -> Update:
         status = job.read_status(self.run, node)  # first: once it is terminal, the reads below are complete
-        return Update(status, self.log.read(node), _records(self.metrics.read(node)), _records(self.events.read(node)))
+        events = _records(self.events.read(node))
+        if status.queue and status.queue != self.queue and "RUNNING" not in status.queue:
+            events.insert(0, {"kind": "phase", "name": "queued", "detail": status.queue, "time": time.time()})
+        self.queue = status.queue or self.queue
+        return Update(status, self.log.read(node), _records(self.metrics.read(node)), events)
 
 
 def watch(

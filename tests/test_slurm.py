@@ -1,0 +1,127 @@
+"""provider.kind slurm against a real Slurm (tests/slurm.py: slurmctld + slurmd on loopback).
+
+Slurm is the engine: `up` checks the login node and holds nothing, `train` submits one batch job
+(srun starts launch.sh, CPU ranks of the tiny model), the live view shows the job's queue state,
+`cancel` is scancel and `down` cancels the cluster's jobs. Each test ends with squeue empty.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.fakes.harness import wait_until
+from tests.helpers import Gpuctl
+
+
+def write_config(project: Path, gpuctl: Gpuctl, workdir: Path, provider: dict | None = None, **train) -> None:
+    assert gpuctl("init", "--force").returncode == 0
+    cfg = yaml.safe_load((project / "gpuctl.yaml").read_text())
+    workdir.mkdir(parents=True, exist_ok=True)
+    cfg["provider"] = {
+        "kind": "slurm",
+        "login": "local",
+        "partition": "debug",
+        "cpu_ranks": 2,
+        "cpus_per_task": 2,
+        "time": "0:20:00",
+        "workdir": str(workdir),
+        "python": sys.executable,
+        **(provider or {}),
+    }
+    cfg["train"].update(train)
+    (project / "gpuctl.yaml").write_text(yaml.safe_dump(cfg))
+
+
+def test_up_checks_the_login_node_and_holds_nothing(project, gpuctl: Gpuctl, slurm, tmp_path, state_dir):
+    write_config(project, gpuctl, tmp_path / "shared", {"partition": "nope"})
+    bad = gpuctl("up")
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert "provider.partition 'nope'" in bad.stderr
+
+    write_config(project, gpuctl, tmp_path / "shared", {"workdir": str(tmp_path / "missing")})
+    bad = gpuctl("up")
+    assert bad.returncode != 0 and "provider.workdir" in bad.stderr
+
+    write_config(project, gpuctl, tmp_path / "shared", {"cpus_per_task": 64})  # more than any node has
+    bad = gpuctl("up")
+    assert bad.returncode != 0 and "Slurm refuses the job shape" in bad.stderr, bad.stderr
+
+    write_config(project, gpuctl, tmp_path / "shared")
+    up = gpuctl("up")
+    assert up.returncode == 0, up.stderr
+    assert "sbatch --test-only accepts the job" in up.stderr
+    record = json.loads(next((state_dir / "clusters").glob("*.json")).read_text())
+    assert record["provider"] == "slurm" and record["slurm"]["partition"] == "debug"
+    assert slurm.jobs() == []  # no allocation is held while idle
+    assert gpuctl("down").returncode == 0
+    assert not list((state_dir / "clusters").glob("*.json"))
+
+
+@pytest.mark.slow
+def test_train_on_slurm_succeeds_with_falling_loss(project, gpuctl: Gpuctl, slurm, tmp_path):
+    write_config(project, gpuctl, tmp_path / "shared", max_steps=8, checkpoint_every=4, micro_batch=1, grad_accum=2)
+    assert gpuctl("up").returncode == 0
+    train = gpuctl("train", "-v")
+    assert train.returncode == 0, train.stdout[-4000:] + train.stderr[-2000:]
+    assert "gpuctl: Slurm job" in train.stdout  # the batch script ran under Slurm (job log)
+    status = json.loads(gpuctl("status", "--json").stdout)["run"]
+    assert status["state"] == "succeeded" and status["steps"] == 8 and status["world_size"] == 2
+    run_dir = Path(status["run_dir"])
+    assert run_dir.is_relative_to(tmp_path / "shared")
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["loss"] < metrics[0]["loss"]
+    assert not (run_dir / "secrets.env").exists()  # the ranks read it and it went
+    assert any((project / "gpuctl-storage").rglob("*.pt"))  # checkpoints reached the store
+    assert slurm.jobs() == []
+    assert gpuctl("down").returncode == 0
+
+
+@pytest.mark.slow
+def test_pending_shows_its_reason_cancel_and_down_leave_no_job(project, gpuctl: Gpuctl, slurm, tmp_path, state_dir):
+    write_config(project, gpuctl, tmp_path / "shared", max_steps=4)
+    assert gpuctl("up").returncode == 0
+    blocker = slurm.sh("sbatch", "--parsable", "--exclusive", "--wrap", "sleep 600").stdout.strip()
+    wait_until(lambda: f"{blocker} RUNNING None" in slurm.jobs(), timeout=30)
+
+    follow = subprocess.Popen(
+        [sys.executable, "-m", "provision.cli", "train", "-v"],
+        cwd=project,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        lines: list[str] = []
+        assert follow.stdout is not None
+        for line in follow.stdout:
+            lines.append(line)
+            if "PENDING (Resources)" in line:
+                break
+        assert any("PENDING (Resources)" in line for line in lines), "".join(lines)
+        ours = [job for job in slurm.jobs() if not job.startswith(blocker)]
+        assert len(ours) == 1 and "PENDING" in ours[0]
+
+        cancel = gpuctl("cancel")
+        assert cancel.returncode == 0, cancel.stderr
+        assert [job for job in slurm.jobs() if not job.startswith(blocker)] == []
+        rest, _ = follow.communicate(timeout=60)
+        assert follow.returncode != 0 and "cancelled" in rest
+    finally:
+        if follow.poll() is None:
+            follow.kill()
+            follow.wait()
+
+    slurm.sh("scancel", blocker)
+    # a second run, started detached and running: `down` cancels it
+    run_id = gpuctl("train", "--detach").stdout.strip().splitlines()[-1]
+    wait_until(lambda: any("RUNNING" in job for job in slurm.jobs()), timeout=60)
+    down = gpuctl("down")
+    assert down.returncode == 0, down.stderr
+    assert slurm.jobs() == []
+    assert json.loads((state_dir / "runs" / f"{run_id}.json").read_text())["state"] == "cancelled"
