@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -87,10 +88,10 @@ def test_pending_shows_its_reason_cancel_and_down_leave_no_job(project, gpuctl: 
     write_config(project, gpuctl, tmp_path / "shared", max_steps=4)
     assert gpuctl("up").returncode == 0
     blocker = slurm.sh("sbatch", "--parsable", "--exclusive", "--wrap", "sleep 600").stdout.strip()
-    wait_until(lambda: f"{blocker} RUNNING None" in slurm.jobs(), timeout=30)
+    wait_until(lambda: f"{blocker} RUNNING None" in slurm.jobs(), 30, "the blocking job to run")
 
     follow = subprocess.Popen(
-        [sys.executable, "-m", "provision.cli", "train", "-v"],
+        [sys.executable, "-m", "provision.cli", "train"],  # the plain view (a pipe)
         cwd=project,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -98,29 +99,27 @@ def test_pending_shows_its_reason_cancel_and_down_leave_no_job(project, gpuctl: 
     )
     try:
         lines: list[str] = []
-        assert follow.stdout is not None
-        for line in follow.stdout:
-            lines.append(line)
-            if "PENDING (Resources)" in line:
-                break
-        assert any("PENDING (Resources)" in line for line in lines), "".join(lines)
+        reader = threading.Thread(target=lambda: lines.extend(follow.stdout or []), daemon=True)
+        reader.start()
+        wait_until(lambda: any("PENDING (Resources)" in line for line in lines), 120, "the queue state in the view")
         ours = [job for job in slurm.jobs() if not job.startswith(blocker)]
         assert len(ours) == 1 and "PENDING" in ours[0]
 
         cancel = gpuctl("cancel")
         assert cancel.returncode == 0, cancel.stderr
         assert [job for job in slurm.jobs() if not job.startswith(blocker)] == []
-        rest, _ = follow.communicate(timeout=60)
-        assert follow.returncode != 0 and "cancelled" in rest
+        assert follow.wait(timeout=60) != 0
+        reader.join(timeout=10)
+        assert "cancelled" in "".join(lines)
     finally:
+        slurm.sh("scancel", blocker)
         if follow.poll() is None:
             follow.kill()
             follow.wait()
 
-    slurm.sh("scancel", blocker)
     # a second run, started detached and running: `down` cancels it
     run_id = gpuctl("train", "--detach").stdout.strip().splitlines()[-1]
-    wait_until(lambda: any("RUNNING" in job for job in slurm.jobs()), timeout=60)
+    wait_until(lambda: any("RUNNING" in job for job in slurm.jobs()), 60, "the second run's job to run")
     down = gpuctl("down")
     assert down.returncode == 0, down.stderr
     assert slurm.jobs() == []

@@ -209,8 +209,9 @@ def read_status(run: state.RunRecord, node: Node) -> RunStatus:
         status = _json_or_empty(node.read_text(f"{run.run_dir}/status.json")) or status
         summary = _json_or_empty(node.read_text(f"{run.run_dir}/summary.json")) or summary
         run_state = status.get("state", "running")
-        if run_state == "running":
-            run_state = "lost"  # killed without writing its end (kill -9, node reboot)
+        if run_state == "running":  # `gpuctl cancel` elsewhere (a queued Slurm job never wrote status.json)
+            recorded = state.load_run(run.run_id).state
+            run_state = recorded if recorded in TERMINAL else "lost"  # else: killed without writing its end
     queue = node.queue_state(run.pgid) if run.pgid and run_state == "running" else None
     result = RunStatus(run, run_state, status.get("exit_code"), status, summary, _json_or_empty(tail), queue)
     if run_state != run.state or result.exit_code != run.exit_code:
