@@ -8,6 +8,7 @@ Slurm is the engine: `up` checks the login node and holds nothing, `train` submi
 from __future__ import annotations
 
 import json
+import secrets
 import subprocess
 import sys
 import threading
@@ -67,8 +68,11 @@ def test_up_checks_the_login_node_and_holds_nothing(project, gpuctl: Gpuctl, slu
 @pytest.mark.slow
 def test_train_on_slurm_succeeds_with_falling_loss(project, gpuctl: Gpuctl, slurm, tmp_path):
     write_config(project, gpuctl, tmp_path / "shared", max_steps=8, checkpoint_every=4, micro_batch=1, grad_accum=2)
+    cfg = yaml.safe_load((project / "gpuctl.yaml").read_text())
+    (project / "gpuctl.yaml").write_text(yaml.safe_dump({**cfg, "secrets": ["HF_TOKEN"]}))
+    token = "tok-" + secrets.token_hex(8)
     assert gpuctl("up").returncode == 0
-    train = gpuctl("train", "-v")
+    train = gpuctl("train", "-v", env={"HF_TOKEN": token, "AWS_SECRET_ACCESS_KEY": token + "aws"})
     assert train.returncode == 0, train.stdout[-4000:] + train.stderr[-2000:]
     assert "gpuctl: Slurm job" in train.stdout  # the batch script ran under Slurm (job log)
     status = json.loads(gpuctl("status", "--json").stdout)["run"]
@@ -80,6 +84,10 @@ def test_train_on_slurm_succeeds_with_falling_loss(project, gpuctl: Gpuctl, slur
     assert not (run_dir / "secrets.env").exists()  # the ranks read it and it went
     assert any((project / "gpuctl-storage").rglob("*.pt"))  # checkpoints reached the store
     assert slurm.jobs() == []
+    # sbatch copies the submitting shell's environment into the job by default, and slurmctld keeps it
+    # in its state files: gpuctl names what travels, so no secret of its shell reaches Slurm's disk
+    assert not [p for p in slurm.root.rglob("*") if p.is_file() and token.encode() in p.read_bytes()]
+    assert token not in train.stdout + train.stderr
     assert gpuctl("down").returncode == 0
 
 

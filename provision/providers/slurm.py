@@ -28,6 +28,9 @@ from provision.transport.remote import CommandResult, LineSink, LocalNode, Node
 BATCH_SCRIPT = "slurm.sh"
 # Unfinished states of `scontrol show job` (the rest are terminal: COMPLETED, FAILED, CANCELLED, TIMEOUT, ...).
 ALIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD", "RESIZING"}
+# sbatch copies the whole submitting environment into the job by default, and slurmctld stores it in
+# its state files: only these names travel (their values, never a secret), plus Slurm's own SLURM_*.
+EXPORT = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TZ", "TMPDIR")
 JOB_FIELD = re.compile(r"\b(JobState|Reason)=(\S+)")
 JOB_ID = re.compile(r"^(\d{1,12})(;\S+)?$")
 # The batch script: `srun` starts launch.sh once per node (one task per node); launch.sh writes
@@ -93,6 +96,7 @@ class SlurmNode(Node):
             raise RemoteError(f"{self.label}: cannot submit {script}")
         self.write_text(f"{cwd}/{BATCH_SCRIPT}", batch, "700")
         argv = ["sbatch", "--parsable", "--job-name", f"gpuctl-{run_id}", "--chdir", cwd, "--output", f"{cwd}/{log}"]
+        argv.append("--export=" + ",".join(EXPORT))
         out = self.run([*argv, *self.options, f"{cwd}/{BATCH_SCRIPT}"], timeout=60).stdout.strip()
         match = JOB_ID.match(out.splitlines()[-1] if out else "")
         if not match:
