@@ -132,3 +132,27 @@ def test_pending_shows_its_reason_cancel_and_down_leave_no_job(project, gpuctl: 
     assert down.returncode == 0, down.stderr
     assert slurm.jobs() == []
     assert json.loads((state_dir / "runs" / f"{run_id}.json").read_text())["state"] == "cancelled"
+
+
+@pytest.mark.slow
+def test_train_through_an_ssh_login_node(project, gpuctl: Gpuctl, slurm, tmp_path, tmp_path_factory):
+    """gpuctl on a laptop, Slurm's commands on the login node over SSH (a real sshd whose sessions
+    find this Slurm through SLURM_CONF, as a login node's profile would)."""
+    from tests.sshd import SSHD
+
+    login = SSHD(tmp_path_factory.mktemp("login"), session_env={"SLURM_CONF": str(slurm.conf)}).start()
+    try:
+        provider = {"login": login.host("127.0.0.2"), "identity_file": str(login.client_key)}
+        write_config(project, gpuctl, tmp_path / "shared", provider, max_steps=4, checkpoint_every=0)
+        env = {"SLURM_CONF": "/nonexistent"}  # the laptop has no Slurm: every command goes over SSH
+        up = gpuctl("up", env=env)
+        assert up.returncode == 0, up.stderr
+        assert "sbatch --test-only accepts the job" in up.stderr
+        train = gpuctl("train", "-v", env=env)
+        assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-2000:]
+        assert "gpuctl: Slurm job" in train.stdout
+        assert json.loads(gpuctl("status", "--json", env=env).stdout)["run"]["state"] == "succeeded"
+        assert gpuctl("down", env=env).returncode == 0
+        assert slurm.jobs() == []
+    finally:
+        login.stop()

@@ -61,14 +61,38 @@ def job_options(prov: SlurmProvider) -> list[str]:
     return opts + [part for flag, value in pairs if value for part in (flag, value)]
 
 
-def login_node(prov_login: str, identity_file: str | None = None, ssh_config: str | None = None) -> Node:
-    """The node Slurm's commands run on: this machine, or the login host over SSH."""
-    if prov_login == "local":
-        return LocalNode()
-    raise ConfigError(
-        f"provider.login {prov_login!r}: only `local` (gpuctl on the login node) is supported yet",
-        "run gpuctl on the login node with login: local",
+def login_record(prov: SlurmProvider) -> state.NodeRecord:
+    """The login node as the cluster records it: `local`, or where SSH reaches it (an ssh_config
+    alias resolved as provider.hosts is, ProxyJump included)."""
+    node = state.NodeRecord(
+        host=prov.login,
+        slots=prov.gpus_per_node or prov.cpu_ranks,
+        accelerator="cuda" if prov.gpus_per_node else "cpu",
+        workdir=prov.workdir,
     )
+    if prov.login != "local":
+        from provision.transport.ssh import aliases
+
+        config, shown = aliases.load(prov.ssh_config)
+        found = aliases.resolve(prov.login, config, f"provider.login {prov.login!r}", shown)
+        node.address, node.port, node.user, node.ssh = found.address, found.port, found.user, found.route
+    return node
+
+
+def identity(prov: SlurmProvider, base: Path | None) -> str | None:
+    if not prov.identity_file:
+        return None
+    path = Path(prov.identity_file).expanduser()
+    return str(path if path.is_absolute() else ((base or Path.cwd()) / path).resolve())
+
+
+def login_node(rec: state.NodeRecord, identity_file: str | None, *, pin_new: bool = False) -> Node:
+    """The node Slurm's commands run on: this machine, or the login host over SSH."""
+    if rec.host == "local":
+        return LocalNode()
+    from provision.transport.ssh.node import SSHNode
+
+    return SSHNode.from_record(rec, identity_file, pin_new=pin_new)
 
 
 class SlurmNode(Node):
@@ -179,32 +203,33 @@ def _part(prov: SlurmProvider) -> list[str]:
 def planned(cfg: GpuctlConfig) -> state.ClusterRecord:
     prov = cfg.provider
     assert isinstance(prov, SlurmProvider)
-    node = state.NodeRecord(
-        host=prov.login,
-        slots=prov.gpus_per_node or prov.cpu_ranks,
-        accelerator="cuda" if prov.gpus_per_node else "cpu",
-        workdir=prov.workdir,
+    return state.ClusterRecord(
+        name=cfg.cluster_name,
+        provider="slurm",
+        nodes=[login_record(prov)],
+        python=prov.python,
+        identity_file=identity(prov, cfg.base_dir),
+        slurm=prov,
     )
-    return state.ClusterRecord(name=cfg.cluster_name, provider="slurm", nodes=[node], python=prov.python, slurm=prov)
 
 
 class SlurmBackend(ProviderBackend):
     def up(self, cfg: GpuctlConfig, opts: UpOptions) -> state.ClusterRecord | None:
         prov = cfg.provider
         assert isinstance(prov, SlurmProvider)
-        node = login_node(prov.login, prov.identity_file, prov.ssh_config)
+        record = planned(cfg)
+        node = login_node(record.nodes[0], record.identity_file, pin_new=True)  # pins the login's key
         try:
             _check(node, prov, opts.say)
         finally:
             node.close()
-        record = planned(cfg)
         return None if opts.dry_run else record
 
     def nodes(self, cluster: state.ClusterRecord) -> list[Node]:
         prov = cluster.slurm
         if prov is None:
             raise ConfigError(f"cluster {cluster.name}: the record lacks its slurm section", "`gpuctl up` it again")
-        return [SlurmNode(login_node(prov.login, prov.identity_file, prov.ssh_config), job_options(prov))]
+        return [SlurmNode(login_node(cluster.nodes[0], cluster.identity_file), job_options(prov))]
 
     def down(self, cluster: state.ClusterRecord, say: Callable[[str], None]) -> None:
         """Cancel every job of the cluster's runs that Slurm still lists; nothing else is held."""
