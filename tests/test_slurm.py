@@ -118,7 +118,8 @@ def test_pending_shows_its_reason_cancel_and_down_leave_no_job(project, gpuctl: 
         assert [job for job in slurm.jobs() if not job.startswith(blocker)] == []
         assert follow.wait(timeout=60) != 0
         reader.join(timeout=10)
-        assert "cancelled" in "".join(lines)
+        shown = "".join(lines)
+        assert "phase: slurm: Slurm job" in shown and "CANCELLED" in shown and "cancelled" in shown, shown
     finally:
         slurm.sh("scancel", blocker)
         if follow.poll() is None:

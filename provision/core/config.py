@@ -227,7 +227,7 @@ def _format_validation(err: ValidationError, path: Path) -> ConfigError:
     if first["type"] == "extra_forbidden":
         msg, fix = "unknown key", "remove it or fix its spelling (see `gpuctl init` for every key)"
     elif first["type"] == "union_tag_invalid":
-        msg, fix = "unknown provider kind", "use one of local, ssh, vast, runpod, aws"
+        msg, fix = "unknown provider kind", "use one of local, ssh, vast, runpod, aws, slurm"
     else:
         fix = f"correct {where} in {path.name}"
     more = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""

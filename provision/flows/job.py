@@ -212,7 +212,8 @@ def read_status(run: state.RunRecord, node: Node) -> RunStatus:
         if run_state == "running":  # `gpuctl cancel` elsewhere (a queued Slurm job never wrote status.json)
             recorded = state.load_run(run.run_id).state
             run_state = recorded if recorded in TERMINAL else "lost"  # else: killed without writing its end
-    queue = node.queue_state(run.pgid) if run.pgid and run_state == "running" else None
+    # The scheduler's word (provider slurm) while the run is open: queued, or how the job ended (TIMEOUT, NODE_FAIL)
+    queue = node.queue_state(run.pgid) if run.pgid and run.state == "running" else None
     result = RunStatus(run, run_state, status.get("exit_code"), status, summary, _json_or_empty(tail), queue)
     if run_state != run.state or result.exit_code != run.exit_code:
         state.update_run(run.run_id, state=run_state, exit_code=result.exit_code)

@@ -21,6 +21,8 @@ from provision.core import state
 from provision.flows import job
 from provision.transport.remote import Node
 
+# Queue states the view need not show: the run's own phases and end say as much.
+QUIET_QUEUE = re.compile(r" (RUNNING|COMPLETING|COMPLETED|CONFIGURING)\b")
 EVENTS_FILE = "events.jsonl"  # trainer/events.py writes it (provision never imports the trainer's modules)
 # DeepSpeed's own format is "[time] [LEVEL] [file:line:func] text"; INFO lines stay in job.log.
 _DS_LEVEL = re.compile(r"^\[[^]]*\] \[(\w+)\]")
@@ -194,8 +196,8 @@ class Feed:
     def poll(self, node: Node) -> Update:
         status = job.read_status(self.run, node)  # first: once it is terminal, the reads below are complete
         events = _records(self.events.read(node))
-        if status.queue and status.queue != self.queue and "RUNNING" not in status.queue:
-            events.insert(0, {"kind": "phase", "name": "queued", "detail": status.queue, "time": time.time()})
+        if status.queue and status.queue != self.queue and not QUIET_QUEUE.search(status.queue):
+            events.insert(0, {"kind": "phase", "name": "slurm", "detail": status.queue, "time": time.time()})
         self.queue = status.queue or self.queue
         return Update(status, self.log.read(node), _records(self.metrics.read(node)), events)
 
