@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from provision.core.provider_config import SlurmProvider
+from provision.providers.slurm import job_options
 from tests.fakes.harness import wait_until
 from tests.helpers import Gpuctl
 
@@ -38,6 +40,15 @@ def write_config(project: Path, gpuctl: Gpuctl, workdir: Path, provider: dict | 
     }
     cfg["train"].update(train)
     (project / "gpuctl.yaml").write_text(yaml.safe_dump(cfg))
+
+
+def test_the_job_asks_for_the_walltime_warning_and_names_what_travels():
+    prov = SlurmProvider(
+        workdir="/shared/x", partition="gpu", gpus_per_node=4, time="2:00:00", save_before_walltime_s=600
+    )
+    opts = job_options(prov)
+    assert "--signal=USR1@600" in opts and opts[opts.index("--gpus-per-node") + 1] == "4"
+    assert not any(o.startswith("--export") and "=" in o.split("=", 1)[1] for o in opts)  # names, never values
 
 
 def test_up_checks_the_login_node_and_holds_nothing(project, gpuctl: Gpuctl, slurm, tmp_path, state_dir):
@@ -157,3 +168,27 @@ def test_train_through_an_ssh_login_node(project, gpuctl: Gpuctl, slurm, tmp_pat
         assert slurm.jobs() == []
     finally:
         login.stop()
+
+
+@pytest.mark.slow
+def test_the_walltime_warning_saves_a_checkpoint_and_stops(project, gpuctl: Gpuctl, slurm, tmp_path, state_dir):
+    """sbatch --signal=USR1@N: Slurm's warning before the walltime reaches the ranks (scancel --signal sends
+    it the same way, to every process of the job's steps), which save one checkpoint together and stop."""
+    write_config(project, gpuctl, tmp_path / "shared", max_steps=5000, checkpoint_every=0)
+    assert gpuctl("up").returncode == 0
+    run_id = gpuctl("train", "--detach").stdout.strip().splitlines()[-1]
+    run = json.loads((state_dir / "runs" / f"{run_id}.json").read_text())
+    job_id, run_dir = run["pgid"], Path(run["run_dir"])
+    metrics = run_dir / "metrics.jsonl"
+    wait_until(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 3, 240, "three steps")
+    slurm.sh("scancel", "--signal", "USR1", str(job_id))
+    wait_until(lambda: slurm.jobs() == [], 120, "the job to end")
+    status = json.loads(gpuctl("status", "--json").stdout)["run"]
+    assert status["state"] == "failed" and status["exit_code"] == 75, status  # not a success: it stopped early
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["state"] == "stopped" and summary["stopped_by"] == "SIGUSR1"
+    step = summary["steps"]
+    assert 3 <= step < 5000 and summary["last_checkpoint"] == f"step{step}"
+    assert "saved step" in (run_dir / "job.log").read_text()
+    assert any(p.name == f"step{step}" for p in (project / "gpuctl-storage").rglob("*"))  # uploaded
+    assert gpuctl("down").returncode == 0

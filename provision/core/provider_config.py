@@ -176,6 +176,12 @@ class SlurmProvider(Strict):
     mem: str | None = Field(default=None, description="--mem per node, e.g. 64G")
     time: str = Field(default="1:00:00", description="the job's walltime (--time): this provider's budget cap")
     constraint: str | None = Field(default=None, description="--constraint (node features)")
+    save_before_walltime_s: int = Field(
+        default=300,
+        ge=30,
+        le=65535,
+        description="seconds before the walltime Slurm signals the ranks (USR1) to save a checkpoint and stop",
+    )
     workdir: str = Field(..., description="folder on the shared filesystem every node sees, for run dirs")
     setup: str | None = Field(default=None, description="shell run on the node before each job (module load, venv)")
     python: str = Field(default="python3", description="interpreter on the nodes with torch+deepspeed")

@@ -42,13 +42,18 @@ set -u
 cd {run_dir} || exit 97
 export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 echo "gpuctl: Slurm job $SLURM_JOB_ID on $SLURM_JOB_NODELIST (master $MASTER_ADDR)"
-srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --kill-on-bad-exit=1 bash launch.sh
+# The walltime warning (sbatch --signal=USR1@N) reaches every process of the step: launch.sh and the
+# launcher ignore it (inherited), the ranks catch it, save a checkpoint and stop (trainer/stop_signal.py).
+export GPUCTL_STOP_SIGNAL=USR1
+# --export=ALL: this script's environment (sbatch's SLURM_EXPORT_ENV would narrow srun's to sbatch's list)
+srun --export=ALL --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c 'trap "" USR1; exec bash launch.sh'
 """
 
 
 def job_options(prov: SlurmProvider) -> list[str]:
     """sbatch's options for one job of this provider: the shape, never a secret."""
     opts = ["--nodes", str(prov.nodes), "--ntasks-per-node", "1", "--time", prov.time]
+    opts.append(f"--signal=USR1@{prov.save_before_walltime_s}")  # the ranks save and stop on it
     pairs = [
         ("--partition", prov.partition),
         ("--account", prov.account),
