@@ -35,9 +35,11 @@ JOB_FIELD = re.compile(r"\b(JobState|Reason)=(\S+)")
 JOB_ID = re.compile(r"^(\d{1,12})(;\S+)?$")
 # The batch script: `srun` starts launch.sh once per node (one task per node); launch.sh writes
 # status.json and job.log as on any node. MASTER_ADDR comes from Slurm's own node list.
-BATCH = """#!/usr/bin/env bash
+BATCH = """#!/bin/bash -l
 # gpuctl run {run_id}: the Slurm batch script (provision/providers/slurm.py). Slurm schedules it;
 # launch.sh does the rest as on any node. No secret is in here or on sbatch's command line.
+# A login shell (-l): the site's profile defines `module` and the like for provider.setup, as sbatch's
+# copy of the submitting environment would have (gpuctl passes only a few names, see EXPORT).
 set -u
 cd {run_dir} || exit 97
 export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
