@@ -16,9 +16,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given
+from hypothesis import strategies as st
 
 from provision.core.provider_config import SlurmProvider
-from provision.providers.slurm import job_options
+from provision.providers.slurm import SlurmNode, job_options
+from provision.transport.remote import CommandResult, Node
 from tests.fakes.harness import wait_until
 from tests.helpers import Gpuctl
 
@@ -49,6 +52,24 @@ def test_the_job_asks_for_the_walltime_warning_and_names_what_travels():
     opts = job_options(prov)
     assert "--signal=USR1@600" in opts and opts[opts.index("--gpus-per-node") + 1] == "4"
     assert not any(o.startswith("--export") and "=" in o.split("=", 1)[1] for o in opts)  # names, never values
+
+
+class CannedLogin(Node):
+    """A login node whose scontrol prints `out` (what a hostile or odd Slurm might)."""
+
+    def __init__(self, out: str):
+        self.out = out
+
+    def _execute(self, argv, timeout, stream, stdin) -> CommandResult:
+        return CommandResult(0, self.out, "")
+
+
+@given(st.text(max_size=300))
+def test_the_queue_state_shown_is_slurms_words_only(reason):
+    out = f"JobId=7 JobName=x JobState=PENDING Reason={reason} Dependency=(null)"
+    shown = SlurmNode(CannedLogin(out), []).queue_state(7)
+    assert shown is not None and shown.startswith("Slurm job 7 PENDING")
+    assert all(ch.isprintable() and ord(ch) < 128 for ch in shown)
 
 
 def test_up_checks_the_login_node_and_holds_nothing(project, gpuctl: Gpuctl, slurm, tmp_path, state_dir):

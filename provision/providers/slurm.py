@@ -31,7 +31,8 @@ ALIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEU
 # sbatch copies the whole submitting environment into the job by default, and slurmctld stores it in
 # its state files: only these names travel (their values, never a secret), plus Slurm's own SLURM_*.
 EXPORT = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TZ", "TMPDIR")
-JOB_FIELD = re.compile(r"\b(JobState|Reason)=(\S+)")
+# A state or reason reaches the terminal: Slurm's own words only (letters, digits, a little punctuation).
+JOB_FIELD = re.compile(r"\b(JobState|Reason)=([A-Za-z0-9_.:,()+-]{1,100})(?=\s|$)")
 JOB_ID = re.compile(r"^(\d{1,12})(;\S+)?$")
 # The batch script: `srun` starts launch.sh once per node (one task per node); launch.sh writes
 # status.json and job.log as on any node. MASTER_ADDR comes from Slurm's own node list.
