@@ -19,7 +19,14 @@ import pytest
 from tests.helpers import Gpuctl
 from trainer.hostenv import ops_cache_default
 
-pytest_plugins = ["tests.sshd", "tests.bastion", "tests.s3server", "tests.dockerd", "tests.trainer_image"]
+pytest_plugins = [
+    "tests.sshd",
+    "tests.bastion",
+    "tests.s3server",
+    "tests.dockerd",
+    "tests.trainer_image",
+    "tests.slurm",
+]
 
 # DeepSpeed JIT-compiles its CPU ops once; share the cache across tests and runs, in the folder
 # a run of this Python environment uses (templates/launch.sh.j2), as tests/run.sh sets it.

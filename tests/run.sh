@@ -22,7 +22,7 @@ print_phases() {
 }
 trap print_phases EXIT
 
-APT_PACKAGES=(openssh-server openssh-client pdsh docker.io docker-registry iproute2 procps debootstrap)
+APT_PACKAGES=(openssh-server openssh-client pdsh docker.io docker-registry iproute2 procps debootstrap slurm-wlm)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg"); done
 if [ "${#missing[@]}" -gt 0 ]; then

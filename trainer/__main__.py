@@ -1,6 +1,7 @@
 """Entry point: `python -m trainer run.json` (one process per rank, cwd = the run dir).
 
-Exit codes: 0 done (summary.json state succeeded), 2 a known problem (one clear line on
+Exit codes: 0 done (summary.json state succeeded), 75 saved and stopped early on the stop signal
+(trainer/stop_signal.py), 2 a known problem (one clear line on
 stderr: bad config, world-size mismatch, storage), 1 anything else (traceback, then a line).
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from trainer import secrets_file
+from trainer import secrets_file, stop_signal
 from trainer.config import DistEnv, RunConfig, TrainerError, load_run_config
 
 
@@ -24,13 +25,16 @@ def main(argv: list[str]) -> int:
         secrets_file.load(run_dir)  # first: the run's secrets reach this rank only this way (see there)
         cfg = load_run_config(run_json)
         env = DistEnv.from_env(cfg.num_nodes)
+        stop = stop_signal.install()  # before the slow imports: a walltime warning may come early
         prepare_process(env)  # before torch loads: OpenMP and the pinned allocator read the env once
         # heavy imports (torch, deepspeed) only once the config is sound
         from trainer import loop
 
-        summary = loop.train(cfg, env)
+        summary = loop.train(cfg, env, stop)
         loop.finish(cfg, env, summary)
-        return 0
+        # Rank 0 alone says "stopped": DeepSpeed's launcher kills every rank once one exits non-zero,
+        # and rank 0 ends last (its node's uploads, then summary.json), so no rank loses its work.
+        return stop_signal.EXIT_CODE if summary["state"] == "stopped" and env.is_main else 0
     except TrainerError as exc:
         if env.is_main or not exc.everywhere:
             where = "" if env.is_main else f" (rank {env.rank})"

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import transformers
 from deepspeed.accelerator import get_accelerator
 
-from trainer import events, secrets_file
+from trainer import events, secrets_file, stop_signal
 from trainer.checkpoint import Checkpointer, Position, open_store, resume
 from trainer.config import DistEnv, RunConfig, TrainerError
 from trainer.dataset import (
@@ -108,8 +108,8 @@ class RunStats:
         return (self.timed_tokens, self.timed_seconds) if self.timed_seconds else (self.all_tokens, self.all_seconds)
 
 
-def train(cfg: RunConfig, env: DistEnv) -> dict:
-    """The whole run on this rank; returns summary.json's content."""
+def train(cfg: RunConfig, env: DistEnv, stop: stop_signal.StopSignal) -> dict:
+    """The whole run on this rank; returns summary.json's content. Ends early, saved, on `stop`'s signal."""
     run = setup(cfg, env)
     secrets_file.drop(cfg.run_dir, env)  # every rank is past load_data's barrier: every rank has read it
     store = open_store(cfg, run.say)
@@ -121,11 +121,11 @@ def train(cfg: RunConfig, env: DistEnv) -> dict:
 
     events.phase("first step", f"step {pos.step + 1} of {cfg.train.max_steps}")
     run.engine.train()
-    while pos.step < cfg.train.max_steps:
+    while pos.step < cfg.train.max_steps and not stop.stopped:
         pos = step_and_log(run, sampler, pos, stats, metrics)
-        if checkpoint_due(cfg, pos.step):
-            ckpt.save(pos, run.geo.global_batch, final=pos.step == cfg.train.max_steps)
-    summary = summarize(run, stats, pos, ckpt.last_tag)
+        if stop.agreed() or checkpoint_due(cfg, pos.step):  # agreed() first: a collective on every rank
+            ckpt.save(pos, run.geo.global_batch, final=pos.step == cfg.train.max_steps or stop.stopped)
+    summary = stop.note(summarize(run, stats, pos, ckpt.last_tag), run.say)
     leave_process_group()  # every rank at once: no rank waits inside a collective while uploads finish
     ckpt.finish()  # local rank 0 of each node: this node's last uploads, outside any collective
     return summary

@@ -266,7 +266,7 @@ def _format_validation(err: ValidationError, path: Path) -> ConfigError:
     if first["type"] == "extra_forbidden":
         msg, fix = "unknown key", "remove it or fix its spelling (see `gpuctl init` for every key)"
     elif first["type"] == "union_tag_invalid":
-        msg, fix = "unknown provider kind", "use one of local, ssh, vast, runpod, aws"
+        msg, fix = "unknown provider kind", "use one of local, ssh, vast, runpod, aws, slurm"
     else:
         fix = f"correct {where} in {path.name}"
     kind = next((str(p) for p in first["loc"][1:2] if first["loc"][0] == "provider" and str(p) in RENTING), None)

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 # Renting providers rent only hosts whose driver speaks at least this (vast cuda_max_good, runpod
 # allowedCudaVersions): an older driver fails the doctor after the host is rented, still billing.
 IMAGE_CUDA = "12.8"
+SLURM_WORD = re.compile(r"^[A-Za-z0-9_.:,&|\[\]*=+-]{1,200}$")
 HOST_RE = re.compile(r"^(?:(?P<user>[A-Za-z0-9._-]+)@)?(?P<host>[A-Za-z0-9.:_-]+?)(?::(?P<port>\d{1,5}))?$")
 
 
@@ -185,7 +186,62 @@ class AWSProvider(CloudProvider):
     )
 
 
+class SlurmProvider(Strict):
+    """A Slurm cluster: gpuctl submits, follows and cancels one batch job per run through the login
+    node; Slurm schedules. Nothing is held while idle (`up` only checks and records)."""
+
+    kind: Literal["slurm"] = "slurm"
+    login: str = Field(
+        default="local",
+        description="`local` when gpuctl runs on the login node, else user@host[:port] or an ssh_config Host alias",
+    )
+    identity_file: str | None = Field(default=None, description="private key for an ssh login")
+    ssh_config: str | None = Field(default=None, description="OpenSSH client config for the login alias")
+    partition: str | None = Field(default=None, description="sbatch --partition; None: the cluster's default")
+    account: str | None = Field(default=None, description="sbatch --account")
+    qos: str | None = Field(default=None, description="sbatch --qos")
+    nodes: int = Field(default=1, ge=1, le=1, description="nodes per job (one for now)")
+    gpus_per_node: int | None = Field(default=None, ge=1, le=64, description="--gpus-per-node; None: CPU ranks")
+    cpu_ranks: int = Field(default=1, ge=1, le=256, description="ranks per node when gpus_per_node is unset")
+    cpus_per_task: int | None = Field(default=None, ge=1, le=4096, description="--cpus-per-task (one task per node)")
+    mem: str | None = Field(default=None, description="--mem per node, e.g. 64G")
+    time: str = Field(default="1:00:00", description="the job's walltime (--time): this provider's budget cap")
+    constraint: str | None = Field(default=None, description="--constraint (node features)")
+    save_before_walltime_s: int = Field(
+        default=300,
+        ge=30,
+        le=65535,
+        description="seconds before the walltime Slurm signals the ranks (USR1) to save a checkpoint and stop",
+    )
+    workdir: str = Field(..., description="folder on the shared filesystem every node sees, for run dirs")
+    setup: str | None = Field(default=None, description="shell run on the node before each job (module load, venv)")
+    python: str = Field(default="python3", description="interpreter on the nodes with torch+deepspeed")
+    connect_timeout: float = Field(default=10, gt=0, le=600)
+
+    @field_validator("partition", "account", "qos", "mem", "time", "constraint")
+    @classmethod
+    def _slurm_word(cls, value: str | None) -> str | None:
+        if value is not None and not SLURM_WORD.match(value):
+            raise ValueError(f"{value!r} is not a Slurm name (letters, digits and _.:,&|[]*=+-)")
+        return value
+
+    @field_validator("workdir")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        if not value.startswith("/") or "\n" in value:
+            raise ValueError("workdir must be an absolute path on the shared filesystem")
+        return value.rstrip("/") or "/"
+
+    @field_validator("login")
+    @classmethod
+    def _login(cls, value: str) -> str:
+        match = HOST_RE.match(value)
+        if value != "local" and (not match or (match["port"] and not 0 < int(match["port"]) < 65536)):
+            raise ValueError(f"login {value!r} is not local, user@host[:port] or a Host alias")
+        return value
+
+
 Provider = Annotated[
-    Union[LocalProvider, SSHProvider, VastProvider, RunPodProvider, AWSProvider],
+    Union[LocalProvider, SSHProvider, VastProvider, RunPodProvider, AWSProvider, SlurmProvider],
     Field(discriminator="kind"),
 ]

@@ -26,6 +26,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from provision.core.checks import DoctorResult
 from provision.core.errors import ClusterBusy, ConfigError, NotFoundError, StateError
+from provision.core.provider_config import SlurmProvider
 from provision.core.ssh_route import SSHRoute
 from trainer.objstore.atomic import atomic_write
 
@@ -74,6 +75,7 @@ class ClusterRecord(BaseModel):
     # this once the cluster is up: a record still creating, with no `up` running, is what a killed
     # `up` left behind; `gpuctl down` (or `sweep`) terminates it, the next `up` replaces it.
     creating: bool = False
+    slurm: SlurmProvider | None = None  # provider slurm: login and job shape, so `down` needs no config
 
     @property
     def world_size(self) -> int:

@@ -248,11 +248,15 @@ def after_run(cfg: GpuctlConfig | None, run: state.RunRecord, say: Callable[[str
 
 def planned(cfg: GpuctlConfig) -> state.ClusterRecord:
     """The cluster `up` would record, without touching a machine (for render and dry runs)."""
-    from provision.core.provider_config import LocalProvider, SSHProvider
+    from provision.core.provider_config import LocalProvider, SlurmProvider, SSHProvider
     from provision.providers.base import resolve_runtime
     from provision.providers.local import node_python, visible_gpus
 
     prov = cfg.provider
+    if isinstance(prov, SlurmProvider):
+        from provision.providers.slurm import planned as slurm_planned
+
+        return slurm_planned(cfg)
     if isinstance(prov, LocalProvider):
         gpus = visible_gpus()
         slots = prov.gpus_per_node or len(gpus) or prov.cpu_ranks

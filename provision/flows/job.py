@@ -176,6 +176,7 @@ class RunStatus:
     summary: dict[str, Any]
     last_metrics: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+    queue: str | None = None  # a batch scheduler's word on the run (provider slurm: PENDING and why)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -193,6 +194,7 @@ class RunStatus:
             "started_at": self.status.get("started_at"),
             "ended_at": self.status.get("ended_at"),
             "restarts": [event.model_dump() for event in self.record.restarts],
+            "queue": self.queue,
         }
 
 
@@ -212,10 +214,14 @@ def read_status(run: state.RunRecord, node: Node) -> RunStatus:
         status = nodedata.read_doc(node, f"{run.run_dir}/status.json", nodedata.NodeStatus, notes) or status
         summary = nodedata.read_doc(node, f"{run.run_dir}/summary.json", nodedata.NodeSummary, notes) or summary
         run_state = status.get("state", "running")
-        if run_state == "running":
-            run_state = "lost"  # killed without writing its end (kill -9, node reboot)
+        if run_state == "running":  # `gpuctl cancel` elsewhere (a queued Slurm job never wrote status.json)
+            recorded = state.load_run(run.run_id).state
+            run_state = recorded if recorded in TERMINAL else "lost"  # else: killed without writing its end
+    # The scheduler's word (provider slurm) while the run is open: queued, or how the job ended (TIMEOUT, NODE_FAIL)
+    queue = node.queue_state(run.pgid) if run.pgid and run.state == "running" else None
     last = tail[0] if tail else {}
-    result = RunStatus(run, run_state, status.get("exit_code"), status, summary, last, list(dict.fromkeys(notes)))
+    notes = list(dict.fromkeys(notes))
+    result = RunStatus(run, run_state, status.get("exit_code"), status, summary, last, notes, queue)
     if run_state != run.state or result.exit_code != run.exit_code:
         state.update_run(run.run_id, state=run_state, exit_code=result.exit_code)
     return result
@@ -293,6 +299,7 @@ def follow(
     A dropped connection is retried until reconnect_s passes without a successful read.
     """
     log, said = nodedata.Tail(f"{run.run_dir}/job.log"), set()
+    queue: str | None = None
 
     def show(line: str) -> None:
         out(line if raw else nodedata.log_line(line))
@@ -315,6 +322,9 @@ def follow(
             status = link.read(poll)
             if status is None:
                 continue
+            if status.queue and status.queue != queue:
+                out(f"gpuctl: {status.queue}")
+            queue = status.queue or queue
             if not until_end or status.state in TERMINAL:
                 if log.partial:  # a last line without its newline
                     show(log.partial)

@@ -24,6 +24,8 @@ from provision.transport.remote import Node
 
 __all__ = ["Tail", "Update", "WatchState", "alert_line", "watch"]  # Tail: flows/nodedata.py
 
+# Queue states the view need not show: the run's own phases and end say as much.
+QUIET_QUEUE = re.compile(r" (RUNNING|COMPLETING|COMPLETED|CONFIGURING)\b")
 EVENTS_FILE = "events.jsonl"  # trainer/events.py writes it (provision never imports the trainer's modules)
 # DeepSpeed's own format is "[time] [LEVEL] [file:line:func] text"; INFO lines stay in job.log.
 _DS_LEVEL = re.compile(r"^\[[^]]*\] \[(\w+)\]")
@@ -166,6 +168,7 @@ class Feed:
     metrics: Tail = field(init=False)
     events: Tail = field(init=False)
     warned: set[str] = field(default_factory=set)  # files whose skipped lines were reported (once each)
+    queue: str | None = None  # the scheduler's last word (provider slurm), shown as a phase when it changes
 
     def __post_init__(self) -> None:
         d = self.run.run_dir
@@ -185,6 +188,9 @@ class Feed:
             if bad and name not in self.warned:
                 self.warned.add(name)
                 notes.append(f"warning: {name} from the node has lines that are no valid record, skipped ({bad[0]})")
+        if status.queue and status.queue != self.queue and not QUIET_QUEUE.search(status.queue):
+            events.insert(0, {"kind": "phase", "name": "slurm", "detail": status.queue, "time": time.time()})
+        self.queue = status.queue or self.queue
         more = self.log.more or self.metrics.more or self.events.more
         return Update(status, log, metrics, events, notes, more)
 

@@ -10,7 +10,7 @@ from provision.core.errors import ConfigError
 if TYPE_CHECKING:
     from provision.providers.base import ProviderBackend
 
-MODULES = {"local": "local", "ssh": "ssh_hosts", "vast": "vast", "runpod": "runpod", "aws": "aws"}
+MODULES = {"local": "local", "ssh": "ssh_hosts", "vast": "vast", "runpod": "runpod", "aws": "aws", "slurm": "slurm"}
 
 
 def backend(kind: str) -> ProviderBackend:

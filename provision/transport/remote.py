@@ -173,6 +173,10 @@ class Node:
     def signal_group(self, pgid: int, sig: str = "TERM") -> None:
         self.sh('kill -s "$2" -- "-$1" 2>/dev/null || true', str(pgid), sig, check=False, timeout=30)
 
+    def queue_state(self, pgid: int) -> str | None:
+        """What a batch scheduler says of the run (provider slurm: "Slurm job 7 PENDING (Resources)"); None: no scheduler."""
+        return None
+
     def home(self) -> str:
         return self.sh('printf %s "$HOME"', timeout=30).stdout
 

@@ -1,0 +1,263 @@
+"""Provider `slurm`: a cluster your lab or company runs. Slurm is the engine: gpuctl submits, follows
+and cancels one batch job per run through the login node, and never schedules itself.
+
+`up` only checks the login node (Slurm answers, the partition has nodes, `sbatch --test-only`
+accepts the job's account/QOS/shape, the workdir exists and is writable) and records the cluster;
+no allocation is held while idle. `train` ships the bundle to the shared workdir like any node and
+`SlurmNode.start_detached` submits it: the batch script (slurm.sh) runs launch.sh with `srun`, one
+task per node. The job id stands where other providers keep launch.sh's process group: alive =
+Slurm still lists the job unfinished, stopping it = `scancel`. Secrets go through the run's 0600
+secrets.env on the shared filesystem, which the ranks read themselves; never `--export` values.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from provision.core import state
+from provision.core.config import GpuctlConfig
+from provision.core.errors import ConfigError, RemoteError
+from provision.core.provider_config import SlurmProvider
+from provision.providers.base import ProviderBackend, SelfTeardown, UpOptions
+from provision.transport.remote import CommandResult, LineSink, LocalNode, Node
+
+BATCH_SCRIPT = "slurm.sh"
+# Unfinished states of `scontrol show job` (the rest are terminal: COMPLETED, FAILED, CANCELLED, TIMEOUT, ...).
+ALIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD", "RESIZING"}
+# sbatch copies the whole submitting environment into the job by default, and slurmctld stores it in
+# its state files: only these names travel (their values, never a secret), plus Slurm's own SLURM_*.
+EXPORT = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TZ", "TMPDIR")
+# A state or reason reaches the terminal: Slurm's own words only (letters, digits, a little punctuation).
+JOB_FIELD = re.compile(r"\b(JobState|Reason)=([A-Za-z0-9_.:,()+-]{1,100})(?=\s|$)")
+JOB_ID = re.compile(r"^(\d{1,12})(;\S+)?$")
+# The batch script: `srun` starts launch.sh once per node (one task per node); launch.sh writes
+# status.json and job.log as on any node. MASTER_ADDR comes from Slurm's own node list.
+BATCH = """#!/bin/bash -l
+# gpuctl run {run_id}: the Slurm batch script (provision/providers/slurm.py). Slurm schedules it;
+# launch.sh does the rest as on any node. No secret is in here or on sbatch's command line.
+# A login shell (-l): the site's profile defines `module` and the like for provider.setup, as sbatch's
+# copy of the submitting environment would have (gpuctl passes only a few names, see EXPORT).
+set -u
+cd {run_dir} || exit 97
+export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+echo "gpuctl: Slurm job $SLURM_JOB_ID on $SLURM_JOB_NODELIST (master $MASTER_ADDR)"
+# The walltime warning (sbatch --signal=USR1@N) reaches every process of the step: launch.sh and the
+# launcher ignore it (inherited), the ranks catch it, save a checkpoint and stop (trainer/stop_signal.py).
+export GPUCTL_STOP_SIGNAL=USR1
+# --export=ALL: this script's environment (sbatch's SLURM_EXPORT_ENV would narrow srun's to sbatch's list)
+srun --export=ALL --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c 'trap "" USR1; exec bash launch.sh'
+"""
+
+
+def job_options(prov: SlurmProvider) -> list[str]:
+    """sbatch's options for one job of this provider: the shape, never a secret."""
+    opts = ["--nodes", str(prov.nodes), "--ntasks-per-node", "1", "--time", prov.time]
+    opts.append(f"--signal=USR1@{prov.save_before_walltime_s}")  # the ranks save and stop on it
+    pairs = [
+        ("--partition", prov.partition),
+        ("--account", prov.account),
+        ("--qos", prov.qos),
+        ("--cpus-per-task", str(prov.cpus_per_task) if prov.cpus_per_task else None),
+        ("--mem", prov.mem),
+        ("--constraint", prov.constraint),
+        ("--gpus-per-node", str(prov.gpus_per_node) if prov.gpus_per_node else None),
+    ]
+    return opts + [part for flag, value in pairs if value for part in (flag, value)]
+
+
+def login_record(prov: SlurmProvider) -> state.NodeRecord:
+    """The login node as the cluster records it: `local`, or where SSH reaches it (an ssh_config
+    alias resolved as provider.hosts is, ProxyJump included)."""
+    node = state.NodeRecord(
+        host=prov.login,
+        slots=prov.gpus_per_node or prov.cpu_ranks,
+        accelerator="cuda" if prov.gpus_per_node else "cpu",
+        workdir=prov.workdir,
+    )
+    if prov.login != "local":
+        from provision.transport.ssh import aliases
+
+        config, shown = aliases.load(prov.ssh_config)
+        found = aliases.resolve(prov.login, config, f"provider.login {prov.login!r}", shown)
+        node.address, node.port, node.user, node.ssh = found.address, found.port, found.user, found.route
+    return node
+
+
+def identity(prov: SlurmProvider, base: Path | None) -> str | None:
+    if not prov.identity_file:
+        return None
+    path = Path(prov.identity_file).expanduser()
+    return str(path if path.is_absolute() else ((base or Path.cwd()) / path).resolve())
+
+
+def login_node(rec: state.NodeRecord, identity_file: str | None, *, pin_new: bool = False) -> Node:
+    """The node Slurm's commands run on: this machine, or the login host over SSH."""
+    if rec.host == "local":
+        return LocalNode()
+    from provision.transport.ssh.node import SSHNode
+
+    return SSHNode.from_record(rec, identity_file, pin_new=pin_new)
+
+
+class SlurmNode(Node):
+    """The login node, with the run's process group standing for its Slurm job."""
+
+    def __init__(self, login: Node, options: list[str]):
+        self.login, self.options, self.label = login, options, f"slurm ({login.label})"
+
+    def _execute(
+        self, argv: list[str], timeout: float | None, stream: LineSink | None, stdin: bytes | None
+    ) -> CommandResult:
+        return self.login.run(argv, check=False, timeout=timeout, stream=stream, stdin=stdin)
+
+    def put_dir(self, local: Path, remote: str) -> None:
+        self.login.put_dir(local, remote)
+
+    def close(self) -> None:
+        self.login.close()
+
+    def start_detached(self, cwd: str, script: str, log: str) -> int:
+        """Submit `script` as one batch job (through slurm.sh) with its output in `log`; the job id."""
+        run_id = cwd.rstrip("/").rsplit("/", 1)[-1]
+        batch = BATCH.format(run_id=run_id, run_dir=shlex.quote(cwd))
+        if script != "launch.sh":  # slurm.sh starts launch.sh; nothing else is submitted
+            raise RemoteError(f"{self.label}: cannot submit {script}")
+        self.write_text(f"{cwd}/{BATCH_SCRIPT}", batch, "700")
+        argv = ["sbatch", "--parsable", "--job-name", f"gpuctl-{run_id}", "--chdir", cwd, "--output", f"{cwd}/{log}"]
+        argv.append("--export=" + ",".join(EXPORT))
+        out = self.run([*argv, *self.options, f"{cwd}/{BATCH_SCRIPT}"], timeout=60).stdout.strip()
+        match = JOB_ID.match(out.splitlines()[-1] if out else "")
+        if not match:
+            raise RemoteError(f"{self.label}: sbatch answered {out[:200]!r}, not a job id")
+        return int(match.group(1))
+
+    def job_state(self, job_id: int) -> tuple[str, str]:
+        """(JobState, Reason) from `scontrol show job`; ("", "") once Slurm has forgotten the job."""
+        result = self.run(["scontrol", "show", "job", "--oneliner", str(job_id)], check=False, timeout=30)
+        if result.rc != 0:
+            if "Invalid job id" in result.stderr:
+                return "", ""
+            raise RemoteError(f"{self.label}: scontrol show job {job_id}: {result.stderr.strip()[:200]}")
+        fields = dict(JOB_FIELD.findall(result.stdout[:20_000]))
+        return fields.get("JobState", ""), fields.get("Reason", "")
+
+    def group_alive(self, pgid: int) -> bool:
+        return self.job_state(pgid)[0] in ALIVE
+
+    def signal_group(self, pgid: int, sig: str = "TERM") -> None:
+        # TERM: Slurm's own stop (TERM to every step and the batch shell, KILL after KillWait).
+        argv = ["scancel", str(pgid)] if sig == "TERM" else ["scancel", "--signal", sig, "--full", str(pgid)]
+        self.run(argv, check=False, timeout=30)
+
+    def queue_state(self, pgid: int) -> str | None:
+        state_, reason = self.job_state(pgid)
+        if not state_:
+            return None
+        return f"Slurm job {pgid} {state_}" + (f" ({reason})" if reason and reason != "None" else "")
+
+
+def _gone(node: Node, job_id: int, wait_s: float = 60) -> bool:
+    """Wait until Slurm lists the job as finished (scancel's TERM, KILL after KillWait)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if not node.group_alive(job_id):
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def _check(node: Node, prov: SlurmProvider, say: Callable[[str], None]) -> int:
+    """The login node's checks; the partition's node count."""
+    try:
+        info = node.run(["sinfo", "--noheader", "--format", "%R %D %c %G", *_part(prov)], check=False, timeout=60)
+    except (RemoteError, OSError) as exc:
+        raise ConfigError(f"provider.login: Slurm does not answer ({exc})", "check that sinfo works there") from None
+    if info.rc != 0:
+        raise ConfigError(
+            f"provider.login: sinfo failed: {info.stderr.strip()[:200]}", "check Slurm on the login node (sinfo)"
+        )
+    rows = [line.split() for line in info.stdout.splitlines() if line.strip()]
+    if not rows:
+        raise ConfigError(
+            f"provider.partition {prov.partition!r} has no nodes or does not exist", "pick one `sinfo -s` lists"
+        )
+    count = sum(int(row[1]) for row in rows if len(row) > 1 and row[1].isdigit())
+    if count < prov.nodes:
+        raise ConfigError(
+            f"provider.nodes is {prov.nodes} but the partition has {count} node(s)", f"set nodes to at most {count}"
+        )
+    test = node.run(["sbatch", "--test-only", *job_options(prov), "--wrap", "true"], check=False, timeout=60)
+    if test.rc != 0:
+        why = (test.stderr.strip().splitlines() or ["no reason given"])[-1][:300]
+        raise ConfigError(f"provider: Slurm refuses the job shape: {why}", "fix partition/account/qos/nodes/time")
+    probe = node.sh('[ -d "$1" ] && [ -w "$1" ]', prov.workdir, check=False, timeout=30)
+    if probe.rc != 0:
+        raise ConfigError(
+            f"provider.workdir {prov.workdir} is not a writable folder on the login node",
+            "give a folder on the filesystem every node shares",
+        )
+    say(f"slurm: partition {rows[0][0]} with {count} node(s); sbatch --test-only accepts the job")
+    return count
+
+
+def _part(prov: SlurmProvider) -> list[str]:
+    return ["--partition", prov.partition] if prov.partition else []
+
+
+def planned(cfg: GpuctlConfig) -> state.ClusterRecord:
+    prov = cfg.provider
+    assert isinstance(prov, SlurmProvider)
+    return state.ClusterRecord(
+        name=cfg.cluster_name,
+        provider="slurm",
+        nodes=[login_record(prov)],
+        python=prov.python,
+        identity_file=identity(prov, cfg.base_dir),
+        slurm=prov,
+    )
+
+
+class SlurmBackend(ProviderBackend):
+    def up(self, cfg: GpuctlConfig, opts: UpOptions) -> state.ClusterRecord | None:
+        prov = cfg.provider
+        assert isinstance(prov, SlurmProvider)
+        record = planned(cfg)
+        node = login_node(record.nodes[0], record.identity_file, pin_new=True)  # pins the login's key
+        try:
+            _check(node, prov, opts.say)
+        finally:
+            node.close()
+        return None if opts.dry_run else record
+
+    def nodes(self, cluster: state.ClusterRecord) -> list[Node]:
+        prov = cluster.slurm
+        if prov is None:
+            raise ConfigError(f"cluster {cluster.name}: the record lacks its slurm section", "`gpuctl up` it again")
+        return [SlurmNode(login_node(cluster.nodes[0], cluster.identity_file), job_options(prov))]
+
+    def down(self, cluster: state.ClusterRecord, say: Callable[[str], None]) -> None:
+        """Cancel every job of the cluster's runs that Slurm still lists; nothing else is held."""
+        (node,) = self.nodes(cluster)
+        try:
+            jobs = [run.pgid for run in state.list_runs(cluster.name) if run.pgid and node.group_alive(run.pgid)]
+            for job_id in jobs:
+                node.signal_group(job_id)
+            left = [job_id for job_id in jobs if node.group_alive(job_id) and not _gone(node, job_id)]
+            if left:
+                raise RemoteError(f"slurm: job(s) {', '.join(map(str, left))} still listed after scancel")
+            gone = node.remove_run_secrets(cluster.nodes[0].workdir)
+        finally:
+            node.close()
+        if gone:
+            say(f"slurm: removed {gone} run secrets file(s) a cancelled job left behind")
+        say(f"slurm: cancelled {len(jobs)} job(s); nothing is held while idle")
+
+    def self_teardown(self, cluster: state.ClusterRecord) -> SelfTeardown | None:
+        return None
+
+
+BACKEND = SlurmBackend()

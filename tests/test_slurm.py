@@ -1,0 +1,215 @@
+"""provider.kind slurm against a real Slurm (tests/slurm.py: slurmctld + slurmd on loopback).
+
+Slurm is the engine: `up` checks the login node and holds nothing, `train` submits one batch job
+(srun starts launch.sh, CPU ranks of the tiny model), the live view shows the job's queue state,
+`cancel` is scancel and `down` cancels the cluster's jobs. Each test ends with squeue empty.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
+
+from provision.core.provider_config import SlurmProvider
+from provision.providers.slurm import SlurmNode, job_options
+from provision.transport.remote import CommandResult, Node
+from tests.fakes.harness import wait_until
+from tests.helpers import Gpuctl
+
+
+def write_config(project: Path, gpuctl: Gpuctl, workdir: Path, provider: dict | None = None, **train) -> None:
+    assert gpuctl("init", "--force").returncode == 0
+    cfg = yaml.safe_load((project / "gpuctl.yaml").read_text())
+    workdir.mkdir(parents=True, exist_ok=True)
+    cfg["provider"] = {
+        "kind": "slurm",
+        "login": "local",
+        "partition": "debug",
+        "cpu_ranks": 2,
+        "cpus_per_task": 2,
+        "time": "0:20:00",
+        "workdir": str(workdir),
+        "python": sys.executable,
+        **(provider or {}),
+    }
+    cfg["train"].update(train)
+    (project / "gpuctl.yaml").write_text(yaml.safe_dump(cfg))
+
+
+def test_the_job_asks_for_the_walltime_warning_and_names_what_travels():
+    prov = SlurmProvider(
+        workdir="/shared/x", partition="gpu", gpus_per_node=4, time="2:00:00", save_before_walltime_s=600
+    )
+    opts = job_options(prov)
+    assert "--signal=USR1@600" in opts and opts[opts.index("--gpus-per-node") + 1] == "4"
+    assert not any(o.startswith("--export") and "=" in o.split("=", 1)[1] for o in opts)  # names, never values
+
+
+class CannedLogin(Node):
+    """A login node whose scontrol prints `out` (what a hostile or odd Slurm might)."""
+
+    def __init__(self, out: str):
+        self.out = out
+
+    def _execute(self, argv, timeout, stream, stdin) -> CommandResult:
+        return CommandResult(0, self.out, "")
+
+
+@given(st.text(max_size=300))
+def test_the_queue_state_shown_is_slurms_words_only(reason):
+    out = f"JobId=7 JobName=x JobState=PENDING Reason={reason} Dependency=(null)"
+    shown = SlurmNode(CannedLogin(out), []).queue_state(7)
+    assert shown is not None and shown.startswith("Slurm job 7 PENDING")
+    assert all(ch.isprintable() and ord(ch) < 128 for ch in shown)
+
+
+def test_up_checks_the_login_node_and_holds_nothing(project, gpuctl: Gpuctl, slurm, tmp_path, state_dir):
+    write_config(project, gpuctl, tmp_path / "shared", {"partition": "nope"})
+    bad = gpuctl("up")
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert "provider.partition 'nope'" in bad.stderr
+
+    write_config(project, gpuctl, tmp_path / "shared", {"workdir": str(tmp_path / "missing")})
+    bad = gpuctl("up")
+    assert bad.returncode != 0 and "provider.workdir" in bad.stderr
+
+    write_config(project, gpuctl, tmp_path / "shared", {"cpus_per_task": 64})  # more than any node has
+    bad = gpuctl("up")
+    assert bad.returncode != 0 and "Slurm refuses the job shape" in bad.stderr, bad.stderr
+
+    write_config(project, gpuctl, tmp_path / "shared")
+    up = gpuctl("up")
+    assert up.returncode == 0, up.stderr
+    assert "sbatch --test-only accepts the job" in up.stderr
+    record = json.loads(next((state_dir / "clusters").glob("*.json")).read_text())
+    assert record["provider"] == "slurm" and record["slurm"]["partition"] == "debug"
+    assert slurm.jobs() == []  # no allocation is held while idle
+    assert gpuctl("down").returncode == 0
+    assert not list((state_dir / "clusters").glob("*.json"))
+
+
+@pytest.mark.slow
+def test_train_on_slurm_succeeds_with_falling_loss(project, gpuctl: Gpuctl, slurm, tmp_path):
+    write_config(project, gpuctl, tmp_path / "shared", max_steps=8, checkpoint_every=4, micro_batch=1, grad_accum=2)
+    cfg = yaml.safe_load((project / "gpuctl.yaml").read_text())
+    (project / "gpuctl.yaml").write_text(yaml.safe_dump({**cfg, "secrets": ["HF_TOKEN"]}))
+    token = "tok-" + secrets.token_hex(8)
+    assert gpuctl("up").returncode == 0
+    train = gpuctl("train", "-v", env={"HF_TOKEN": token, "AWS_SECRET_ACCESS_KEY": token + "aws"})
+    assert train.returncode == 0, train.stdout[-4000:] + train.stderr[-2000:]
+    assert "gpuctl: Slurm job" in train.stdout  # the batch script ran under Slurm (job log)
+    status = json.loads(gpuctl("status", "--json").stdout)["run"]
+    assert status["state"] == "succeeded" and status["steps"] == 8 and status["world_size"] == 2
+    run_dir = Path(status["run_dir"])
+    assert run_dir.is_relative_to(tmp_path / "shared")
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["loss"] < metrics[0]["loss"]
+    assert not (run_dir / "secrets.env").exists()  # the ranks read it and it went
+    assert any((project / "gpuctl-storage").rglob("*.pt"))  # checkpoints reached the store
+    assert slurm.jobs() == []
+    # sbatch copies the submitting shell's environment into the job by default, and slurmctld keeps it
+    # in its state files: gpuctl names what travels, so no secret of its shell reaches Slurm's disk
+    assert not [p for p in slurm.root.rglob("*") if p.is_file() and token.encode() in p.read_bytes()]
+    assert token not in train.stdout + train.stderr
+    assert gpuctl("down").returncode == 0
+
+
+@pytest.mark.slow
+def test_pending_shows_its_reason_cancel_and_down_leave_no_job(project, gpuctl: Gpuctl, slurm, tmp_path, state_dir):
+    write_config(project, gpuctl, tmp_path / "shared", max_steps=4)
+    assert gpuctl("up").returncode == 0
+    blocker = slurm.sh("sbatch", "--parsable", "--exclusive", "--wrap", "sleep 600").stdout.strip()
+    wait_until(lambda: f"{blocker} RUNNING None" in slurm.jobs(), 30, "the blocking job to run")
+
+    follow = subprocess.Popen(
+        [sys.executable, "-m", "provision.cli", "train"],  # the plain view (a pipe)
+        cwd=project,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(follow.stdout or []), daemon=True)
+        reader.start()
+        wait_until(lambda: any("PENDING (Resources)" in line for line in lines), 120, "the queue state in the view")
+        ours = [job for job in slurm.jobs() if not job.startswith(blocker)]
+        assert len(ours) == 1 and "PENDING" in ours[0]
+
+        cancel = gpuctl("cancel")
+        assert cancel.returncode == 0, cancel.stderr
+        assert [job for job in slurm.jobs() if not job.startswith(blocker)] == []
+        assert follow.wait(timeout=60) != 0
+        reader.join(timeout=10)
+        shown = "".join(lines)
+        assert "phase: slurm: Slurm job" in shown and "CANCELLED" in shown and "cancelled" in shown, shown
+    finally:
+        slurm.sh("scancel", blocker)
+        if follow.poll() is None:
+            follow.kill()
+            follow.wait()
+
+    # a second run, started detached and running: `down` cancels it
+    run_id = gpuctl("train", "--detach").stdout.strip().splitlines()[-1]
+    wait_until(lambda: any("RUNNING" in job for job in slurm.jobs()), 60, "the second run's job to run")
+    down = gpuctl("down")
+    assert down.returncode == 0, down.stderr
+    assert slurm.jobs() == []
+    assert json.loads((state_dir / "runs" / f"{run_id}.json").read_text())["state"] == "cancelled"
+
+
+@pytest.mark.slow
+def test_train_through_an_ssh_login_node(project, gpuctl: Gpuctl, slurm, tmp_path, tmp_path_factory):
+    """gpuctl on a laptop, Slurm's commands on the login node over SSH (a real sshd whose sessions
+    find this Slurm through SLURM_CONF, as a login node's profile would)."""
+    from tests.sshd import SSHD
+
+    login = SSHD(tmp_path_factory.mktemp("login"), session_env={"SLURM_CONF": str(slurm.conf)}).start()
+    try:
+        provider = {"login": login.host("127.0.0.2"), "identity_file": str(login.client_key)}
+        write_config(project, gpuctl, tmp_path / "shared", provider, max_steps=4, checkpoint_every=0)
+        env = {"SLURM_CONF": "/nonexistent"}  # the laptop has no Slurm: every command goes over SSH
+        up = gpuctl("up", env=env)
+        assert up.returncode == 0, up.stderr
+        assert "sbatch --test-only accepts the job" in up.stderr
+        train = gpuctl("train", "-v", env=env)
+        assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-2000:]
+        assert "gpuctl: Slurm job" in train.stdout
+        assert json.loads(gpuctl("status", "--json", env=env).stdout)["run"]["state"] == "succeeded"
+        assert gpuctl("down", env=env).returncode == 0
+        assert slurm.jobs() == []
+    finally:
+        login.stop()
+
+
+@pytest.mark.slow
+def test_the_walltime_warning_saves_a_checkpoint_and_stops(project, gpuctl: Gpuctl, slurm, tmp_path, state_dir):
+    """sbatch --signal=USR1@N: Slurm's warning before the walltime reaches the ranks (scancel --signal sends
+    it the same way, to every process of the job's steps), which save one checkpoint together and stop."""
+    write_config(project, gpuctl, tmp_path / "shared", max_steps=5000, checkpoint_every=0)
+    assert gpuctl("up").returncode == 0
+    run_id = gpuctl("train", "--detach").stdout.strip().splitlines()[-1]
+    run = json.loads((state_dir / "runs" / f"{run_id}.json").read_text())
+    job_id, run_dir = run["pgid"], Path(run["run_dir"])
+    metrics = run_dir / "metrics.jsonl"
+    wait_until(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 3, 240, "three steps")
+    slurm.sh("scancel", "--signal", "USR1", str(job_id))
+    wait_until(lambda: slurm.jobs() == [], 120, "the job to end")
+    status = json.loads(gpuctl("status", "--json").stdout)["run"]
+    assert status["state"] == "failed" and status["exit_code"] == 75, status  # not a success: it stopped early
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["state"] == "stopped" and summary["stopped_by"] == "SIGUSR1"
+    step = summary["steps"]
+    assert 3 <= step < 5000 and summary["last_checkpoint"] == f"step{step}"
+    assert "saved step" in (run_dir / "job.log").read_text()
+    assert any(p.name == f"step{step}" for p in (project / "gpuctl-storage").rglob("*"))  # uploaded
+    assert gpuctl("down").returncode == 0
