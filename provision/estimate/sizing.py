@@ -94,7 +94,7 @@ def sizing_note(cfg: GpuctlConfig, prov: CloudProvider) -> str:
     ram_from = "provider.min_ram_gb" if "min_ram_gb" in cfg.provider.model_fields_set else "gpuctl plan"
     disk_from = "provider.disk_gb" if "disk_gb" in cfg.provider.model_fields_set else "gpuctl plan"
     return (
-        f"host RAM >= {prov.min_ram_gb:g} GB ({ram_from}; plan needs {plan_ram} GB: the worst of load, steady and "
-        f"resume + {req.reserve_gb:g} GB for the OS), disk >= {prov.disk_gb:g} GB ({disk_from}; plan needs "
+        f"host RAM >= {prov.min_ram_gb:g} GB ({ram_from}; plan needs {plan_ram} GB: the worst of load, steady, "
+        f"save and resume + {req.reserve_gb:g} GB for the OS), disk >= {prov.disk_gb:g} GB ({disk_from}; plan needs "
         f"{plan_disk} GB) for {what}; set provider.min_ram_gb / disk_gb to choose yourself"
     )
