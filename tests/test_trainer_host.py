@@ -397,3 +397,9 @@ def test_all_cores_widens_a_bound_rank_for_lone_work_then_narrows_it_back():
     bound, widened, back = (json.loads(x) for x in out.stdout.strip().replace("] [", "]|[").split("|"))
     assert widened == sorted(os.sched_getaffinity(0)) and back == bound
     assert len(bound) <= len(widened)
+
+
+def test_offload_pinning_is_one_decision_for_both_strategies():
+    assert pinning.pin_offload("cuda", exact=True)
+    assert not pinning.pin_offload("cuda", exact=False)  # torch < 2.13: DeepSpeed's pin_memory off, FSDP's too
+    assert not pinning.pin_offload("cpu", exact=True)  # CPU ranks: nothing to pin for

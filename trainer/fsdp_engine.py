@@ -12,9 +12,10 @@ What comes from where (the same rendered ds_config.json, so the batch arithmetic
 - precision: fp32 master weights; bf16 runs as MixedPrecisionPolicy(param bf16, reduce fp32).
   fp16 is refused by the config (it needs a loss scaler): no loss scale, no skipped steps.
 - offload_optimizer cpu: CPUOffloadPolicy (sharded parameters, gradients and the optimizer step on
-  the host). CPU ranks run the same policy unpinned (pinning needs an accelerator), so the offload path
-  (CPU DTensor gradients clipped through the process group's `cpu:gloo`, trainer.distributed.group_backend)
-  runs here as it runs on GPUs.
+  the host), pinned only where DeepSpeed's buffers would be (trainer.pinning.pin_offload: exact-size pinning,
+  torch >= 2.13; torch's default rounds each pinned block to a power of two). CPU ranks run the same
+  policy unpinned (pinning needs an accelerator), so the offload path (CPU DTensor gradients clipped
+  through the process group's `cpu:gloo`, trainer.distributed.group_backend) runs here as on GPUs.
 - activation checkpointing: trainer.model turns on the model's own gradient checkpointing.
 - checkpoints: torch.distributed.checkpoint (DCP), one file set per rank plus `.metadata`.
 """
@@ -60,7 +61,15 @@ def lr_lambda(warmup: int, total: int):
 class FsdpEngine:
     """One rank's FSDP2-sharded model and its optimizer, driven like a DeepSpeedEngine."""
 
-    def __init__(self, model: torch.nn.Module, ds_config: dict, train: TrainConfig, env: DistEnv, precision: str):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        ds_config: dict,
+        train: TrainConfig,
+        env: DistEnv,
+        precision: str,
+        pin_memory: bool = False,
+    ):
         self.env = env
         on_gpu = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
@@ -68,7 +77,7 @@ class FsdpEngine:
         self.grad_accum = int(ds_config["gradient_accumulation_steps"])
         self.clip = float(ds_config.get("gradient_clipping", 0.0) or 0.0)
         self.offloaded = train.offload_optimizer == "cpu"
-        self.pinned = self.offloaded and on_gpu
+        self.pinned = self.offloaded and on_gpu and pin_memory  # trainer.pinning.pin_offload, as for DeepSpeed
         mesh = init_device_mesh(self.device.type, (env.world_size,))
         options: dict[str, Any] = {"mesh": mesh}
         if precision == "bf16":

@@ -41,7 +41,7 @@ from trainer.metrics import (
     write_summary,
 )
 from trainer.model import build_model, count_params
-from trainer.pinning import exact_pinning, settle_pin_memory
+from trainer.pinning import exact_pinning, pin_offload, settle_pin_memory
 from trainer.tokenizer import load_tokenizer
 
 # DeepSpeed's ZeRO calls a torch API that torch 2.13 deprecates: one line per rank per run, no action.
@@ -159,7 +159,8 @@ def setup(cfg: RunConfig, env: DistEnv) -> Session:
     say = (lambda m: print(f"trainer: {m}", flush=True)) if env.is_main else (lambda _m: None)
     for warning in cfg.warnings:
         say(f"warning: {warning}")
-    if get_accelerator().device_name() != "cpu" and settle_pin_memory(ds_config, exact_pinning()):
+    pin = pin_offload(get_accelerator().device_name(), exact_pinning())  # both strategies (trainer.pinning)
+    if get_accelerator().device_name() != "cpu" and settle_pin_memory(ds_config, pin):
         say(
             f"torch {torch.__version__} rounds every pinned block up to a power of two: offload buffers stay "
             "pageable (exact-size pinning needs torch >= 2.13)"
@@ -179,7 +180,7 @@ def setup(cfg: RunConfig, env: DistEnv) -> Session:
     if fsdp:  # PyTorch FSDP2 behind the same engine interface (trainer/fsdp_engine.py)
         from trainer.fsdp_engine import FsdpEngine
 
-        engine: Any = FsdpEngine(model, ds_config, cfg.train, env, precision)
+        engine: Any = FsdpEngine(model, ds_config, cfg.train, env, precision, pin_memory=pin)
         if engine.offloaded:
             say(f"fsdp: CPU offload ({'pinned' if engine.pinned else 'pageable'}), process group {dist.get_backend()}")
     else:

@@ -160,6 +160,9 @@ def plan_table(result: PlanResult) -> RenderableType:
     return Group(table, node_table(result), verdict, *(Text(f"- {line}") for line in result.why))
 
 
+PINNING = {"exact": "pinned exact-size", "off": "not pinned", "pow2": "pinned, rounded to powers of two"}
+
+
 def node_table(result: PlanResult) -> RenderableType:
     """Host RAM per node at load, steady, resume and save, and the node's disk, each term named."""
     import math
@@ -173,7 +176,8 @@ def node_table(result: PlanResult) -> RenderableType:
         Column("steady GB", justify="right"),
         Column("resume GB", justify="right"),
         Column("save GB", justify="right"),
-        title=f"host RAM per node ({node.ranks} ranks) and disk",
+        title=f"host RAM per node ({node.ranks} ranks, {result.input.strategy}, offload buffers "
+        f"{PINNING[node.pinning]}) and disk",
     )
     phases = (node.load, node.steady, node.resume, node.save)
     names = list(dict.fromkeys(t.name for phase in phases for t in phase))

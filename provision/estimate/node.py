@@ -169,7 +169,11 @@ def _term(name: str, ranks: list[_Rank], field: str, pinning: str | None, note: 
 
 
 def node_requirements(inp: PlanInput) -> NodeRequirements:
-    """Host RAM (load, steady, resume) and disk for the heaviest node (node 0) of this configuration."""
+    """Host RAM (load, steady, resume, save) and disk for the heaviest node (node 0) of this configuration."""
+    if inp.strategy == "fsdp":
+        from provision.estimate.fsdp_node import fsdp_node_requirements
+
+        return fsdp_node_requirements(inp)
     g, w, params = inp.gpus_per_node, (4 if inp.precision == "fp32" else 2), inp.dims.params
     size, ranks = rank_buffers(inp)
     node_ranks = ranks[:g]  # node 0: it also holds the module states file

@@ -38,6 +38,7 @@ def plan_input(cfg: GpuctlConfig | None) -> dict[str, Any]:
         precision=train.precision,
         grad_accum=train.grad_accum,
         keep_local=train.keep_local,
+        strategy=train.strategy,
     )
     data = cfg.data_path()
     if data is not None and data.is_file():
