@@ -152,6 +152,13 @@ class AWSProvider(CloudProvider):
         le=10_000,
         description="$/h per node for cost and caps; default gpuctl's on-demand table for the type",
     )
+    disk_throughput_mbps: int | None = Field(
+        default=None,
+        ge=125,
+        le=1000,
+        description="root gp3 volume MiB/s; default sized by plan so a checkpoint writes in 5 minutes",
+    )
+    disk_iops: int | None = Field(default=None, ge=3000, le=16000, description="root gp3 volume IOPS; default sized")
 
 
 Provider = Annotated[

@@ -201,8 +201,9 @@ class CloudBackend(ProviderBackend):
     ) -> None:
         """Create one instance per pick (each recorded at once, its id appended to `created`), then
         wait until every node is ready; the node-to-node SSH of a multi-node cluster last."""
-        prov = cfg.provider
-        assert isinstance(prov, CloudProvider)
+        from provision.estimate.sizing import sized_provider
+
+        prov = sized_provider(cfg)  # rent what the offers were filtered on (disk, AWS volume speed)
         self.prepare(prov, record, public_key)
         for i, offer in enumerate(picks):
             instance_id = self.launch(prov, record, labels[i], offer, public_key)
