@@ -274,7 +274,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.cpu_smoke:  # like the trainer: once every rank has mapped DeepSpeed's /dev/shm buffer, unlink it
         import torch.distributed as dist
 
-        from trainer.loop import unlink_shm_buffer
+        from trainer.distributed import unlink_shm_buffer
 
         dist.barrier()
         unlink_shm_buffer(int(os.environ["RANK"]))

@@ -199,6 +199,6 @@ def test_offers_for_the_seed_config_list_only_hosts_with_plans_ram(project, gpuc
         listed = gpuctl("offers", "--json", check=True)
         table = gpuctl("offers", check=True, env={"COLUMNS": "200"})
     assert [o["id"] for o in json.loads(listed.stdout)] == ["2002"]
-    assert "host RAM >= 154 GB (gpuctl plan; plan needs 154 GB" in listed.stderr
+    assert "host RAM >= 168 GB (gpuctl plan; plan needs 168 GB" in listed.stderr
     assert "deepseek-7b, ZeRO-2, offload cpu, fp16, 3 GPUs per node" in listed.stderr
     assert "2002" in table.stdout and "2001" not in table.stdout and "256" in table.stdout

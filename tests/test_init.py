@@ -169,7 +169,7 @@ def test_train_and_up_refuse_what_plan_says_does_not_fit(project, vast_api):
     assert "cluster" in one_error(forced) and "gpuctl plan" not in forced.stderr
     vast_config(project, vast_api, storage__url="s3://my-bucket/gpuctl", provider__min_ram_gb=64)
     for line in refused_everywhere(["up", "--yes"], ["train"]):
-        assert "needs 154 GB of host RAM per node, provider.min_ram_gb rents hosts from 64 GB" in line
+        assert "needs 168 GB of host RAM per node, provider.min_ram_gb rents hosts from 64 GB" in line
     assert not vast_api.calls
 
 

@@ -58,7 +58,8 @@ def test_seed_node_figures_and_named_terms():
     assert req.steady_gb == pytest.approx(149.8, abs=0.1)
     assert req.load_gb == pytest.approx(122.1, abs=0.1)  # optimizer init: pinned copies of pageable buffers
     assert req.resume_gb == pytest.approx(135.9, abs=0.1)  # mmap: Adam m/v copied off the mapped shard
-    assert math.ceil(req.ram_gb) == 154
+    assert req.save_gb == pytest.approx(163.7, abs=0.1)  # steady + rank 0's 13.8 GB module-states copy
+    assert math.ceil(req.ram_gb) == 168
     assert req.checkpoint_gb == pytest.approx(96.75, abs=0.01)  # 2P module + 12 B x P of shards
     assert terms(req.disk) == {
         "model download (HF cache)": pytest.approx(13.82, abs=0.01),
@@ -135,7 +136,7 @@ def test_plan_json_and_why_carry_the_node_figures():
     assert d["ds_host_ram_gb"] == pytest.approx(165.8, abs=0.1)
     assert json.loads(json.dumps(d)) == d
     closing = next(line for line in r.why if line.startswith("Before:"))
-    assert "165.8 GB" in closing and "128 GB RAM and 200 GB disk" in closing and "154 GB RAM and 325 GB" in closing
+    assert "165.8 GB" in closing and "128 GB RAM and 200 GB disk" in closing and "168 GB RAM and 325 GB" in closing
     assert any("consider precision bf16" in line for line in r.why)
     assert not any("bf16" in line for line in plan(PlanInput(**(SEED | {"precision": "bf16"}))).why[-1:])
 
@@ -146,7 +147,7 @@ def test_plan_command_prints_load_steady_resume_and_disk(project, gpuctl):
     out = result.stdout
     for text in ("load GB", "steady GB", "resume GB", "Adam m + v", "grad accumulation (pinned)", "disk total"):
         assert text in out, text
-    assert "154" in out and "325" in out
+    assert "168" in out and "325" in out and "save GB" in out
 
 
 def seed_cloud(**prov) -> GpuctlConfig:
@@ -160,7 +161,7 @@ def seed_cloud(**prov) -> GpuctlConfig:
 
 def test_sized_provider_takes_plans_figures_unless_set():
     sized = sized_provider(seed_cloud())
-    assert (sized.min_ram_gb, sized.disk_gb) == (154, 325)
+    assert (sized.min_ram_gb, sized.disk_gb) == (168, 325)
     mine = sized_provider(seed_cloud(min_ram_gb=512, disk_gb=1000))
     assert (mine.min_ram_gb, mine.disk_gb) == (512, 1000)  # the user's word wins
     tiny = sized_provider(GpuctlConfig.model_validate({"provider": {"kind": "vast"}}))
@@ -183,15 +184,15 @@ def test_up_and_offers_filter_on_plans_figures(project, gpuctl, sshd, monkeypatc
         (project / "gpuctl.yaml").write_text(json.dumps(cfg))
         up = gpuctl("up", "--yes")
         offers = gpuctl("offers")
-    assert up.returncode != 0 and "cpu_ram>=154 GB" in up.stderr and "disk_space>=325 GB" in up.stderr, up.stderr
-    assert "cpu_ram>=154 GB" in offers.stdout + offers.stderr
+    assert up.returncode != 0 and "cpu_ram>=168 GB" in up.stderr and "disk_space>=325 GB" in up.stderr, up.stderr
+    assert "cpu_ram>=168 GB" in offers.stdout + offers.stderr
 
 
 def test_vast_query_carries_the_sized_minimums():
     from provision.providers import vast
 
     query = vast.search_query(sized_provider(seed_cloud()))
-    assert query["cpu_ram"] == {"gte": 154_000} and query["disk_space"] == {"gte": 325}
+    assert query["cpu_ram"] == {"gte": 168_000} and query["disk_space"] == {"gte": 325}
     assert isinstance(seed_cloud().provider, VastProvider)
 
 

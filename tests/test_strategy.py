@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -75,6 +76,13 @@ def test_one_node_renders_a_standalone_torchrun(tmp_path):
     assert subprocess.run(["bash", "-n", str(out / "torchrun.sh")]).returncode == 0
     assert "-m torch.distributed.run --standalone --nnodes 1" in script and "--module trainer run.json" in script
     assert "ssh -F" not in script
+    marker = next(line for line in script.splitlines() if "GPUCTL_OMP_FROM_TORCHRUN" in line)  # trainer.hostenv
+    for preset, marked in (({}, "1"), ({"OMP_NUM_THREADS": "1"}, "")):  # the user's OMP_NUM_THREADS stays theirs
+        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | preset
+        echo = subprocess.run(
+            ["bash", "-c", marker + '; echo "$GPUCTL_OMP_FROM_TORCHRUN"'], env=env, capture_output=True
+        )
+        assert echo.stdout.decode().strip() == marked
     assert f"bash '{tmp_path}/node run/torchrun.sh' --master_port" in (out / "launch.sh").read_text()
     assert "deepspeed.launcher" not in (out / "launch.sh").read_text()
     assert json.loads((out / "run.json").read_text())["train"]["strategy"] == "fsdp"

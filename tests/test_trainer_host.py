@@ -88,6 +88,58 @@ def test_bind_threads_leaves_a_set_omp_alone():
     assert said == "None" and numbers == f"7 {sorted(os.sched_getaffinity(0))}"
 
 
+@pytest.mark.parametrize(
+    ("files", "cpus"),
+    [
+        ({"cpu.max": "250000 100000\n"}, 2.5),  # cgroup v2: docker --cpus 2.5
+        ({"cpu.max": "max 100000\n"}, None),
+        ({"cpu/cpu.cfs_quota_us": "150000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 1.5),  # v1
+        ({"cpu,cpuacct/cpu.cfs_quota_us": "400000\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"}, 4.0),
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+        ({}, None),
+    ],
+)
+def test_cgroup_cpu_limit_reads_v1_and_v2_quotas(tmp_path, files, cpus):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert hostenv.cgroup_cpu_limit(tmp_path) == cpus
+
+
+BIND_QUOTA = "import os, sys; from pathlib import Path; from trainer import hostenv; " + (
+    "print(hostenv.bind_threads(cgroup_root=Path(sys.argv[1]))); "
+    "print(os.environ.get('OMP_NUM_THREADS'), sorted(os.sched_getaffinity(0)))"
+)
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_bind_threads_counts_no_more_cores_than_the_cgroup_quota(tmp_path, version):
+    cores = hostenv.physical_cores(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs 2 physical cores to see a 1-CPU quota cap them")
+    if version == "v2":
+        (tmp_path / "cpu.max").write_text("100000 100000\n")
+    else:
+        (tmp_path / "cpu").mkdir()
+        (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("120000\n")  # 1.2 CPUs: one whole thread
+        (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env.update(LOCAL_RANK="0", LOCAL_SIZE="1", PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-c", BIND_QUOTA, str(tmp_path)], env=env, capture_output=True, text=True)
+    said, numbers = out.stdout.strip().splitlines()
+    assert numbers == f"1 {cores[0]}" and "CPU quota" in said, out.stdout + out.stderr
+
+
+def test_bind_threads_replaces_torchruns_default_but_not_the_users():
+    cores = hostenv.physical_cores(os.sched_getaffinity(0))
+    base = dict(os.environ, OMP_NUM_THREADS="1", LOCAL_RANK="0", LOCAL_SIZE="1", PYTHONPATH=str(REPO))
+    marked = dict(base, GPUCTL_OMP_FROM_TORCHRUN="1")  # torchrun.sh: torchrun found none and set 1
+    out = subprocess.run([sys.executable, "-c", BIND], env=marked, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip().splitlines()[1].startswith(f"{len(cores)} "), out.stdout + out.stderr
+    out = subprocess.run([sys.executable, "-c", BIND], env=base, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip().splitlines() == ["None", f"1 {sorted(os.sched_getaffinity(0))}"]
+
+
 # -- pinned memory ----------------------------------------------------------------------------------
 def test_pin_env_only_for_gpu_ranks_on_torch_213():
     env: dict[str, str] = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
@@ -345,3 +397,9 @@ def test_all_cores_widens_a_bound_rank_for_lone_work_then_narrows_it_back():
     bound, widened, back = (json.loads(x) for x in out.stdout.strip().replace("] [", "]|[").split("|"))
     assert widened == sorted(os.sched_getaffinity(0)) and back == bound
     assert len(bound) <= len(widened)
+
+
+def test_offload_pinning_is_one_decision_for_both_strategies():
+    assert pinning.pin_offload("cuda", exact=True)
+    assert not pinning.pin_offload("cuda", exact=False)  # torch < 2.13: DeepSpeed's pin_memory off, FSDP's too
+    assert not pinning.pin_offload("cpu", exact=True)  # CPU ranks: nothing to pin for

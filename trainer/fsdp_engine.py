@@ -12,7 +12,10 @@ What comes from where (the same rendered ds_config.json, so the batch arithmetic
 - precision: fp32 master weights; bf16 runs as MixedPrecisionPolicy(param bf16, reduce fp32).
   fp16 is refused by the config (it needs a loss scaler): no loss scale, no skipped steps.
 - offload_optimizer cpu: CPUOffloadPolicy (sharded parameters, gradients and the optimizer step on
-  the host) when the ranks run on GPUs; CPU ranks already hold everything on the host.
+  the host), pinned only where DeepSpeed's buffers would be (trainer.pinning.pin_offload: exact-size pinning,
+  torch >= 2.13; torch's default rounds each pinned block to a power of two). CPU ranks run the same
+  policy unpinned (pinning needs an accelerator), so the offload path (CPU DTensor gradients clipped
+  through the process group's `cpu:gloo`, trainer.distributed.group_backend) runs here as on GPUs.
 - activation checkpointing: trainer.model turns on the model's own gradient checkpointing.
 - checkpoints: torch.distributed.checkpoint (DCP), one file set per rank plus `.metadata`.
 """
@@ -58,20 +61,29 @@ def lr_lambda(warmup: int, total: int):
 class FsdpEngine:
     """One rank's FSDP2-sharded model and its optimizer, driven like a DeepSpeedEngine."""
 
-    def __init__(self, model: torch.nn.Module, ds_config: dict, train: TrainConfig, env: DistEnv, precision: str):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        ds_config: dict,
+        train: TrainConfig,
+        env: DistEnv,
+        precision: str,
+        pin_memory: bool = False,
+    ):
         self.env = env
         on_gpu = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         self.micro_batch = int(ds_config["train_micro_batch_size_per_gpu"])
         self.grad_accum = int(ds_config["gradient_accumulation_steps"])
         self.clip = float(ds_config.get("gradient_clipping", 0.0) or 0.0)
-        self.offloaded = on_gpu and train.offload_optimizer == "cpu"
+        self.offloaded = train.offload_optimizer == "cpu"
+        self.pinned = self.offloaded and on_gpu and pin_memory  # trainer.pinning.pin_offload, as for DeepSpeed
         mesh = init_device_mesh(self.device.type, (env.world_size,))
         options: dict[str, Any] = {"mesh": mesh}
         if precision == "bf16":
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if self.offloaded:
-            options["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
+            options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.pinned)
         elif not on_gpu:
             model.to(self.device)
         for layer in decoder_layers(model):

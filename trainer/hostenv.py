@@ -6,6 +6,8 @@ Like DeepSpeed's `--bind_cores_to_rank` (deepspeed/utils/numa.py get_numactl_cmd
 its share of the physical cores: OMP_NUM_THREADS = cores in the share, and the process is bound to them.
 Unlike it, the cores are the ones this process may use (a container's cpuset, os.sched_getaffinity), grouped
 into physical cores from /sys (hyperthread siblings stay together), and numactl is not needed.
+A container's CPU quota (cgroup v2 cpu.max, v1 cfs quota) caps the cores shared out: the affinity mask
+shows every host CPU while the quota allows a few, and OpenMP threads beyond it only wait for CPU time.
 An OMP_NUM_THREADS already in the environment (gpuctl.yaml env, CPU test ranks) wins: nothing is changed;
 GPUCTL_BIND_CORES=0 keeps the thread count but leaves placement to the OS (a node shared with other work).
 
@@ -21,6 +23,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 SYS_CPU = Path("/sys/devices/system/cpu")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+TORCHRUN_OMP = "GPUCTL_OMP_FROM_TORCHRUN"  # torchrun.sh: no OMP_NUM_THREADS before torchrun, so its "1" is a default
 _NODE_CPUS: set[int] = set()  # what the process could use before bind_threads narrowed it
 
 
@@ -46,29 +50,59 @@ def core_share(cores: list[list[int]], local_rank: int, local_size: int) -> list
     return cores[local_rank * per_rank : (local_rank + 1) * per_rank]
 
 
-def bind_threads(environ: dict[str, str] | None = None) -> str | None:
+def cgroup_cpu_limit(root: Path = CGROUP_ROOT) -> float | None:
+    """The container's CPU quota in CPUs (Docker --cpus, RunPod's vCPU limit), None when unlimited or unknown.
+    cgroup v2: cpu.max "QUOTA PERIOD" or "max PERIOD"; v1: cpu.cfs_quota_us (-1: none) / cpu.cfs_period_us
+    under cpu/ or cpu,cpuacct/. A container sees its own cgroup at the root (cgroup namespace)."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        quota = period = ""
+        for folder in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+            try:
+                quota = (root / folder / "cpu.cfs_quota_us").read_text().strip()
+                period = (root / folder / "cpu.cfs_period_us").read_text().strip()
+                break
+            except OSError:
+                continue
+    try:
+        q, p = int(quota), int(period)
+    except ValueError:
+        return None  # "max", or no cgroup files
+    return q / p if q > 0 and p > 0 else None
+
+
+def bind_threads(environ: dict[str, str] | None = None, cgroup_root: Path = CGROUP_ROOT) -> str | None:
     """Set OMP_NUM_THREADS and the CPU affinity of this rank to its share; returns what it did (for the log),
-    None when the environment already decides (OMP_NUM_THREADS set) or this is not a launched rank. With
-    fewer cores than ranks: one thread each, not bound."""
+    None when the environment already decides (OMP_NUM_THREADS set) or this is not a launched rank. The
+    share counts no more cores than the container's CPU quota. With fewer cores than ranks: one thread
+    each, not bound. torchrun's own OMP_NUM_THREADS=1 (set whenever it starts several ranks and finds none)
+    is not the user's word: torchrun.sh marks it, and it is replaced like an unset one."""
     env = os.environ if environ is None else environ
+    if env.get(TORCHRUN_OMP) == "1" and env.get("OMP_NUM_THREADS") == "1":
+        del env["OMP_NUM_THREADS"]
     if "OMP_NUM_THREADS" in env or "LOCAL_RANK" not in env:
         return None
     local_rank = int(env["LOCAL_RANK"])
     local_size = int(env.get("LOCAL_SIZE") or env.get("LOCAL_WORLD_SIZE") or 1)
     allowed = os.sched_getaffinity(0)
     cores = physical_cores(allowed)
+    limit = cgroup_cpu_limit(cgroup_root)
+    quota = ""
+    if limit is not None and int(limit) < len(cores):
+        cores, quota = cores[: max(1, int(limit))], f"; CPU quota {limit:g}"
     share = core_share(cores, local_rank, local_size)
     if not share:
         env["OMP_NUM_THREADS"] = "1"
-        return f"1 thread, not bound ({len(cores)} cores for {local_size} ranks)"
+        return f"1 thread, not bound ({len(cores)} cores for {local_size} ranks{quota})"
     cpus = sorted(c for core in share for c in core)
     n = len(share)
     env["OMP_NUM_THREADS"] = str(n)
     if env.get("GPUCTL_BIND_CORES", "1") == "0":
-        return f"{n} thread{'s' if n > 1 else ''}, not bound (GPUCTL_BIND_CORES=0; {len(cores)} cores)"
+        return f"{n} thread{'s' if n > 1 else ''}, not bound (GPUCTL_BIND_CORES=0; {len(cores)} cores{quota})"
     _NODE_CPUS.update(allowed)
     os.sched_setaffinity(0, cpus)
-    return f"{n} thread{'s' if n > 1 else ''} on CPUs {_ranges(cpus)} ({n} of {len(cores)} cores)"
+    return f"{n} thread{'s' if n > 1 else ''} on CPUs {_ranges(cpus)} ({n} of {len(cores)} cores{quota})"
 
 
 @contextmanager

@@ -8,12 +8,9 @@ from ds_config); this file owns the data order, the loss and the bookkeeping.
 from __future__ import annotations
 
 import json
-import os
 import time
 import warnings
 from dataclasses import dataclass
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import deepspeed
@@ -25,7 +22,7 @@ from deepspeed.accelerator import get_accelerator
 
 from trainer import events, secrets_file, stop_signal
 from trainer.checkpoint import Checkpointer, Position, open_store, resume
-from trainer.config import DistEnv, RunConfig, TrainerError
+from trainer.config import DistEnv, RunConfig
 from trainer.dataset import (
     PackedTokens,
     Sampler,
@@ -34,6 +31,7 @@ from trainer.dataset import (
     prepare_token_file,
     resolve_data,
 )
+from trainer.distributed import leave_process_group, start_distributed
 from trainer.hostenv import all_cores
 from trainer.metrics import (
     MetricsLog,
@@ -43,7 +41,7 @@ from trainer.metrics import (
     write_summary,
 )
 from trainer.model import build_model, count_params
-from trainer.pinning import exact_pinning, settle_pin_memory
+from trainer.pinning import exact_pinning, pin_offload, settle_pin_memory
 from trainer.tokenizer import load_tokenizer
 
 # DeepSpeed's ZeRO calls a torch API that torch 2.13 deprecates: one line per rank per run, no action.
@@ -156,11 +154,13 @@ def setup(cfg: RunConfig, env: DistEnv) -> Session:
     precision = ds_precision(ds_config)
     events.start(cfg.run_dir, env.is_main)
     events.compile_phase("starting ranks", events.ops_needed(ds_config, at_init=False))
-    start_distributed(env, precision, cfg.collective_timeout_s)
+    fsdp_offload = cfg.train.strategy == "fsdp" and cfg.train.offload_optimizer == "cpu"
+    start_distributed(env, precision, cfg.collective_timeout_s, cpu_offload=fsdp_offload)
     say = (lambda m: print(f"trainer: {m}", flush=True)) if env.is_main else (lambda _m: None)
     for warning in cfg.warnings:
         say(f"warning: {warning}")
-    if get_accelerator().device_name() != "cpu" and settle_pin_memory(ds_config, exact_pinning()):
+    pin = pin_offload(get_accelerator().device_name(), exact_pinning())  # both strategies (trainer.pinning)
+    if get_accelerator().device_name() != "cpu" and settle_pin_memory(ds_config, pin):
         say(
             f"torch {torch.__version__} rounds every pinned block up to a power of two: offload buffers stay "
             "pageable (exact-size pinning needs torch >= 2.13)"
@@ -180,7 +180,9 @@ def setup(cfg: RunConfig, env: DistEnv) -> Session:
     if fsdp:  # PyTorch FSDP2 behind the same engine interface (trainer/fsdp_engine.py)
         from trainer.fsdp_engine import FsdpEngine
 
-        engine: Any = FsdpEngine(model, ds_config, cfg.train, env, precision)
+        engine: Any = FsdpEngine(model, ds_config, cfg.train, env, precision, pin_memory=pin)
+        if engine.offloaded:
+            say(f"fsdp: CPU offload ({'pinned' if engine.pinned else 'pageable'}), process group {dist.get_backend()}")
     else:
         events.compile_phase("initializing DeepSpeed", events.ops_needed(ds_config, at_init=True))
         engine, *_ = deepspeed.initialize(
@@ -217,43 +219,6 @@ def tensorboard_or_off(ds_config: dict, say) -> None:
             "(pip install tensorboard); going on without TensorBoard logs"
         )
         block["enabled"] = False
-
-
-def start_distributed(env: DistEnv, precision: str, timeout_s: int) -> None:
-    """Join the process group: gloo for CPU ranks, the accelerator's backend (NCCL) otherwise. Every
-    collective may wait timeout_s (run.json's collective_timeout_s) for the slowest rank."""
-    accel = get_accelerator()
-    if precision == "fp16" and accel.device_name() == "cpu" and not accel.is_fp16_supported():
-        raise TrainerError(
-            "fp16 is not supported by DeepSpeed on this CPU (no AVX512-FP16/AMX-FP16); "
-            "use precision bf16 or fp32 for CPU runs"
-        )
-    if accel.device_name() != "cpu":
-        accel.set_device(env.local_rank)  # before the first collective (the data barrier) under NCCL
-    deepspeed.init_distributed(dist_backend=dist_backend(), timeout=timedelta(seconds=timeout_s))
-    if accel.device_name() == "cpu":
-        dist.barrier()  # past this, every rank has mapped every other rank's shm buffer
-        unlink_shm_buffer(env.rank)
-
-
-def unlink_shm_buffer(rank: int) -> None:
-    """DeepSpeed's CPU allreduce never unlinks its /dev/shm buffer (69 MB a rank, left behind by
-    every run, killed or not). Once all ranks have mapped it the name can go; the mapping stays."""
-    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_{os.environ.get('MASTER_PORT')}_{rank}"
-    Path("/dev/shm", name).unlink(missing_ok=True)
-
-
-def leave_process_group() -> None:
-    """End of training: all ranks meet once more, then each leaves the group. What follows (uploads,
-    summary.json) runs without collectives, so no rank sits in one while another uploads for an hour."""
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-def dist_backend() -> str:
-    accel = get_accelerator()
-    return "gloo" if accel.device_name() == "cpu" else accel.communication_backend_name()
 
 
 def ds_precision(ds_config: dict) -> str:

@@ -65,6 +65,13 @@ def pin_env(environ: dict[str, str] | None = None, version: tuple[int, int] | No
     return merged
 
 
+def pin_offload(device: str, exact: bool) -> bool:
+    """Whether host buffers of the offload path are pinned, for either strategy (DeepSpeed's
+    offload_optimizer.pin_memory, FSDP2's CPUOffloadPolicy(pin_memory)): on accelerator ranks, and only
+    where torch pins exact-size (CPU ranks have nothing to pin for: pinning needs an accelerator)."""
+    return device != "cpu" and exact
+
+
 def settle_pin_memory(ds_config: dict, exact: bool) -> bool:
     """Turn offload_optimizer.pin_memory off when pinning would not be exact-size; True when it did.
     DeepSpeed's default for pin_memory is on, so a block without the key counts as on."""

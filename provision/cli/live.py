@@ -19,7 +19,15 @@ from rich.spinner import Spinner
 from rich.table import Table
 from rich.text import Text
 
-from provision.cli.runview import _duration, _num, checkpoint_text, no_mfu, summary_lines, superseded_text
+from provision.cli.runview import (
+    _duration,
+    _num,
+    checkpoint_text,
+    no_mfu,
+    scale_text,
+    summary_lines,
+    superseded_text,
+)
 from provision.core.terminal import scrub
 
 if TYPE_CHECKING:
@@ -102,6 +110,8 @@ def figures(st: WatchState) -> Table:
         "peak memory",
         "  ".join(f"rank{i} {gb:.1f} GB" for i, gb in enumerate(mem)) if mem else "n/a (CPU ranks: no GPU memory)",
     )
+    if scale_text(last):  # fp16: the dynamic loss scale and the steps skipped while it backs off
+        grid.add_row("fp16", scale_text(last))
     shown = checkpoint_text(st.checkpoint)[len("checkpoint ") :] if st.checkpoint else "none yet"
     grid.add_row("checkpoint", Text(shown + superseded_text(st)))  # the node's tag: no rich markup in it
     grid.add_row("cost", cost_text(info))

@@ -72,7 +72,7 @@ def plan(
         gradient_checkpointing=checkpointing,
         precision=precision,
     )
-    base.update({k: v for k, v in flags.items() if v is not None})
+    base.update({k: v for k, v in flags.items() if v is not None}, strategy=strategy)
     result = run_plan(PlanInput(**base))
     if checkpoint_every is None:  # gpuctl.yaml's, else train's default
         from provision.core.config import TrainConfig
@@ -168,8 +168,11 @@ def _plan_fsdp(result: Any, as_json: bool, cost: Any) -> None:
         table.add_row(label, f"{gb:.2f}")
     style = "bold " + ("green" if figures["fits"] else "red")
     table.add_row("GPU total", f"{fsdp.gpu_gb:.2f} / {result.gpu_capacity_gb:g}", style=style)
+    from provision.cli.views import node_table
+
     console = Console()
     console.print(table)
+    console.print(node_table(result))
     console.print(f"better for this config: [bold]{figures['better_strategy']}[/] ({figures['why']})")
     _print_cost(console, cost)
 

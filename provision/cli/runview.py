@@ -34,6 +34,7 @@ def step_line(rec: dict[str, Any], max_steps: int) -> str:
         text += f" mfu {100 * rec['mfu']:.1f}%"
     if rec.get("peak_mem_gb"):
         text += f" mem {max(rec['peak_mem_gb']):.1f}GB"
+    text += scale_text(rec, " ")
     return text
 
 
@@ -85,8 +86,21 @@ def summary_of(st: WatchState) -> dict[str, Any]:
         "storage": st.info.storage_url,
         # the tag is the node's word: quoted, so a pasted line runs `ckpt pull` and nothing else
         "pull": shlex.join(["gpuctl", "ckpt", "pull", tag, "--hf", f"./{tag}-hf"]) if tag else None,
+        "skipped_steps": _count(s.get("skipped_steps", st.last.get("skipped_steps"))),
         "error": s.get("error"),
     }
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 10**9 else None
+
+
+def scale_text(rec: dict[str, Any], lead: str = "") -> str:
+    """fp16's loss scale and the optimizer steps it skipped so far (empty for bf16/fp32)."""
+    scale, skipped = rec.get("loss_scale"), _count(rec.get("skipped_steps"))
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        return ""
+    return f"{lead}scale {scale:g}" + (f" skipped {skipped}" if skipped else "")
 
 
 def no_mfu(st: WatchState) -> str:
@@ -105,6 +119,10 @@ def summary_lines(st: WatchState) -> list[str]:
         f"  wall time {_duration(s['wall_s'])}   cost "
         + (f"${s['cost']:.2f}" if s["cost"] is not None else "$0 (no price: local or own host)"),
     ]
+    if s["skipped_steps"]:
+        lines.append(
+            f"  fp16: {s['skipped_steps']} of {s['steps'] or 0} optimizer steps skipped on overflow (loss scale)"
+        )
     if s["error"]:
         lines.append(f"  error: {s['error']}")
     if s["checkpoint"]:

@@ -205,8 +205,11 @@ def plan_table(result: PlanResult) -> RenderableType:
     return Group(table, node_table(result), verdict, *(Text(f"- {line}") for line in result.why))
 
 
+PINNING = {"exact": "pinned exact-size", "off": "not pinned", "pow2": "pinned, rounded to powers of two"}
+
+
 def node_table(result: PlanResult) -> RenderableType:
-    """Host RAM per node at load, steady and resume, and the node's disk, each term named."""
+    """Host RAM per node at load, steady, resume and save, and the node's disk, each term named."""
     import math
 
     from rich.table import Column, Table
@@ -217,15 +220,18 @@ def node_table(result: PlanResult) -> RenderableType:
         Column("load GB", justify="right"),
         Column("steady GB", justify="right"),
         Column("resume GB", justify="right"),
-        title=f"host RAM per node ({node.ranks} ranks) and disk",
+        Column("save GB", justify="right"),
+        title=f"host RAM per node ({node.ranks} ranks, {result.input.strategy}, offload buffers "
+        f"{PINNING[node.pinning]}) and disk",
     )
-    phases = (node.load, node.steady, node.resume)
+    phases = (node.load, node.steady, node.resume, node.save)
     names = list(dict.fromkeys(t.name for phase in phases for t in phase))
     for name in names:
         table.add_row(name, *(f"{sum(t.gb for t in ph if t.name == name):.1f}" for ph in phases))
-    table.add_row("total", f"{node.load_gb:.1f}", f"{node.steady_gb:.1f}", f"{node.resume_gb:.1f}", style="bold")
-    table.add_row(f"rent (worst + {node.reserve_gb:g} GB OS)", "", f"{math.ceil(node.ram_gb)}", "", style="bold")
+    totals = (node.load_gb, node.steady_gb, node.resume_gb, node.save_gb)
+    table.add_row("total", *(f"{gb:.1f}" for gb in totals), style="bold")
+    table.add_row(f"rent (worst + {node.reserve_gb:g} GB OS)", "", f"{math.ceil(node.ram_gb)}", "", "", style="bold")
     for term in node.disk:
-        table.add_row(f"disk: {term.name}", "", f"{term.gb:.1f}", "")
-    table.add_row("disk total", "", f"{math.ceil(node.disk_gb)}", "", style="bold")
+        table.add_row(f"disk: {term.name}", "", f"{term.gb:.1f}", "", "")
+    table.add_row("disk total", "", f"{math.ceil(node.disk_gb)}", "", "", style="bold")
     return table

@@ -84,7 +84,7 @@ class CloudProvider(Strict):
         ge=0,
         le=65536,
         description="host RAM per node; unset: `gpuctl plan`'s per-node figure for this config, at least 128 "
-        "(DeepSeek-7B, ZeRO-2 offload, 3 GPUs: 154)",
+        "(DeepSeek-7B, ZeRO-2 offload, 3 GPUs: 168)",
     )
     disk_gb: float = Field(
         default=200,
@@ -184,6 +184,13 @@ class AWSProvider(CloudProvider):
         le=10_000,
         description="$/h per node for cost and caps; default gpuctl's on-demand table for the type",
     )
+    disk_throughput_mbps: int | None = Field(
+        default=None,
+        ge=125,
+        le=1000,
+        description="root gp3 volume MiB/s; default sized by plan so a checkpoint writes in 5 minutes",
+    )
+    disk_iops: int | None = Field(default=None, ge=3000, le=16000, description="root gp3 volume IOPS; default sized")
 
 
 class SlurmProvider(Strict):

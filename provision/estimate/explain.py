@@ -110,7 +110,7 @@ def host_lines(r: PlanResult) -> list[str]:
     }[node.pinning]
     lines = [
         f"Host RAM per node ({node.ranks} ranks, offload buffers {pin}): load {node.load_gb:.1f} GB, "
-        f"steady {node.steady_gb:.1f} GB = {_terms(node.steady)}, resume {node.resume_gb:.1f} GB. "
+        f"steady {node.steady_gb:.1f} GB = {_terms(node.steady)}, resume {node.resume_gb:.1f} GB, save {node.save_gb:.1f} GB. "
         f"Rent at least {math.ceil(node.ram_gb)} GB (the worst phase + {node.reserve_gb:g} GB for the OS); "
         f"per rank steady {max(node.rank_steady_gb):.1f} GB (incl. {PROCESS_GB:g} GB process).",
     ]

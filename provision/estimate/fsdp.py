@@ -52,13 +52,19 @@ class FsdpMemory:
         return self.states_gb if self.offloaded else 0.0
 
 
-def sharded_numel(m: ModelDims, world: int) -> int:
-    """Elements of one rank's shards: every parameter's dim 0 padded to a multiple of `world`."""
+def shard_numels(m: ModelDims, world: int) -> list[int]:
+    """Elements of each of one rank's parameter shards: every parameter's dim 0 padded to a multiple of
+    `world` (FSDP2 pins and offloads each parameter's shard as its own tensor)."""
     kv_dim = (m.kv_heads or m.heads) * (m.hidden // m.heads)
     h, i = m.hidden, m.intermediate
     rows_cols = [(h, h), (kv_dim, h), (kv_dim, h), (h, h), (i, h), (i, h), (h, i), (h, 1), (h, 1)] * m.layers
     rows_cols += [(m.vocab, h), (h, 1)] + ([] if m.tied_embeddings else [(m.vocab, h)])
-    return sum(math.ceil(rows / world) * cols for rows, cols in rows_cols)
+    return [math.ceil(rows / world) * cols for rows, cols in rows_cols]
+
+
+def sharded_numel(m: ModelDims, world: int) -> int:
+    """Elements of one rank's shards."""
+    return sum(shard_numels(m, world))
 
 
 def fsdp_memory(inp: PlanInput) -> FsdpMemory:

@@ -71,6 +71,7 @@ class NodeRequirements:
     load: tuple[Term, ...]  # resident at the worst moment of loading (model, flatten, optimizer init)
     steady: tuple[Term, ...]  # while training
     resume: tuple[Term, ...]  # the worst moment of loading a checkpoint (before the first step)
+    save: tuple[Term, ...]  # steady + what a save brings to the host at once (node 0: rank 0's module states)
     reserve_gb: float
     disk: tuple[Term, ...]
     checkpoint_gb: float  # one save on this node
@@ -91,9 +92,13 @@ class NodeRequirements:
         return sum(t.gb for t in self.resume)
 
     @property
+    def save_gb(self) -> float:
+        return sum(t.gb for t in self.save)
+
+    @property
     def ram_gb(self) -> float:
-        """What a machine needs: the worst phase plus the OS reserve."""
-        return max(self.load_gb, self.steady_gb, self.resume_gb) + self.reserve_gb
+        """What a machine needs: the worst phase (load, steady, save, resume) plus the OS reserve."""
+        return max(self.load_gb, self.steady_gb, self.save_gb, self.resume_gb) + self.reserve_gb
 
     @property
     def disk_gb(self) -> float:
@@ -164,7 +169,11 @@ def _term(name: str, ranks: list[_Rank], field: str, pinning: str | None, note: 
 
 
 def node_requirements(inp: PlanInput) -> NodeRequirements:
-    """Host RAM (load, steady, resume) and disk for the heaviest node (node 0) of this configuration."""
+    """Host RAM (load, steady, resume, save) and disk for the heaviest node (node 0) of this configuration."""
+    if inp.strategy == "fsdp":
+        from provision.estimate.fsdp_node import fsdp_node_requirements
+
+        return fsdp_node_requirements(inp)
     g, w, params = inp.gpus_per_node, (4 if inp.precision == "fp32" else 2), inp.dims.params
     size, ranks = rank_buffers(inp)
     node_ranks = ranks[:g]  # node 0: it also holds the module states file
@@ -249,18 +258,33 @@ def _result(
     )
     w = 4 if inp.precision == "fp32" else 2
     checkpoint = (w * inp.dims.params + sum(r.shard for r in node_ranks)) / GB
+    save = (*steady, save_term(inp)) if inp.zero_stage < 3 else steady
     return NodeRequirements(
         ranks=len(node_ranks),
         pinning=pinning,
         load=tuple(max(load_phases, key=_total)),
         steady=steady,
         resume=resume,
+        save=save,
         reserve_gb=OS_RESERVE_GB,
         disk=disk_terms(inp, checkpoint),
         checkpoint_gb=checkpoint,
         pinned_gb=sum(pinned) / GB,
         pinned_alloc_gb=_alloc(pinned, pinning) / GB,
         rank_steady_gb=rank_steady,
+    )
+
+
+def save_term(inp: PlanInput) -> Term:
+    """Rank 0's save of the module states: ZeRO-1/2's module parameters are views of one flat GPU buffer
+    (16-bit, or fp32) per parameter group (stage_1_and_2.py l.447-521), so the state dict's tensors share that storage
+    and torch.save copies the whole storage to the host before writing it (torch/serialization.py _save,
+    l.1290-1310 in torch 2.13: `storage.cpu()`, or a pinned buffer, one storage at a time). The trainer
+    passes one parameter group: one flat buffer, padded to the partition layout."""
+    w = 4 if inp.precision == "fp32" else 2
+    size, _ = partitions(inp.dims.param_numels(), inp.total_gpus, inp.round_robin_gradients)
+    return Term(
+        "module states copied to host at save", w * size * inp.total_gpus / GB, "rank 0: the flat weight buffer"
     )
 
 
@@ -310,10 +334,12 @@ def node_to_json(req: NodeRequirements) -> dict[str, object]:
         "load_gb": round(req.load_gb, 3),
         "steady_gb": round(req.steady_gb, 3),
         "resume_gb": round(req.resume_gb, 3),
+        "save_gb": round(req.save_gb, 3),
         "reserve_gb": req.reserve_gb,
         "load": terms(req.load),
         "steady": terms(req.steady),
         "resume": terms(req.resume),
+        "save": terms(req.save),
         "pinned_gb": round(req.pinned_gb, 3),
         "pinned_alloc_gb": round(req.pinned_alloc_gb, 3),
         "rank_steady_gb": [round(x, 3) for x in req.rank_steady_gb],

@@ -71,6 +71,7 @@ FLOAT_LIMITS = {
 @dataclass(frozen=True)
 class PlanInput:
     model: str | ModelDims = "deepseek-7b"  # a KNOWN_MODELS name or explicit dims
+    strategy: Literal["deepspeed", "fsdp"] = "deepspeed"  # host RAM terms (GPU figures: provision.estimate.fsdp)
     gpus_per_node: int = 3
     nodes: int = 1
     zero_stage: int = 2
@@ -126,6 +127,7 @@ class PlanInput:
             "precision": ("fp16", "bf16", "fp32"),
             "attention": ("sdpa", "eager"),
             "pinning": ("exact", "off", "pow2"),
+            "strategy": ("deepspeed", "fsdp"),
         }.items():
             if getattr(self, name) not in allowed:
                 raise PlanError(f"plan: {name} must be one of {allowed}, got {getattr(self, name)!r}")

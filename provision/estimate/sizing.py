@@ -40,6 +40,7 @@ def plan_input(cfg: GpuctlConfig | None) -> dict[str, Any]:
         precision=train.precision,
         grad_accum=train.grad_accum,
         keep_local=train.keep_local,
+        strategy=train.strategy,
     )
     data = cfg.data_path()
     if data is not None and data.is_file():
@@ -83,6 +84,19 @@ def upload_mbps_for(cfg: GpuctlConfig, minutes: float) -> float | None:
     return None if size is None else float(max(1, math.ceil(size * 8 / 1e6 / (minutes * 60))))
 
 
+# AWS gp3 (EC2 API reference, EbsBlockDevice): 125-1000 MiB/s, 3000-16000 IOPS, at most 0.25 MiB/s per IOPS;
+# unset, a root volume gets 125 MiB/s and 3000 IOPS: a 97 GB save would block training ~13 minutes.
+GP3_MIBS, GP3_IOPS, GP3_MIBS_PER_IOPS = (125, 1000), (3000, 16000), 0.25
+SAVE_WRITE_S = 300  # a save on the node's disk should take at most this long
+
+
+def gp3_performance(checkpoint_gb: float) -> tuple[int, int]:
+    """(MiB/s, IOPS) of a gp3 volume that writes one checkpoint in SAVE_WRITE_S, within gp3's limits."""
+    mibs = min(GP3_MIBS[1], max(GP3_MIBS[0], math.ceil(checkpoint_gb * 1e9 / 2**20 / SAVE_WRITE_S)))
+    iops = min(GP3_IOPS[1], max(GP3_IOPS[0], math.ceil(mibs / GP3_MIBS_PER_IOPS)))
+    return mibs, iops
+
+
 def sized_provider(cfg: GpuctlConfig) -> CloudProvider:
     """cfg.provider with min_ram_gb and disk_gb raised to plan's figures where gpuctl.yaml leaves them out,
     and a marketplace's min_upload_mbps from plan's final checkpoint."""
@@ -93,12 +107,19 @@ def sized_provider(cfg: GpuctlConfig) -> CloudProvider:
     uplink = upload_mbps_for(cfg, prov.max_final_upload_min) if isinstance(prov, MarketProvider) else None
     if isinstance(prov, MarketProvider) and prov.min_upload_mbps is None and uplink is not None:
         prov = prov.model_copy(update={"min_upload_mbps": uplink})
+    from provision.core.provider_config import AWSProvider
+
     unset = {"min_ram_gb", "disk_gb"} - prov.model_fields_set
-    req = node_figures(cfg) if unset else None
+    disk_speed = (
+        {"disk_throughput_mbps", "disk_iops"} - prov.model_fields_set if isinstance(prov, AWSProvider) else set()
+    )
+    req = node_figures(cfg) if unset or disk_speed else None
     if req is None:
         return prov
     figures = {"min_ram_gb": float(math.ceil(req.ram_gb)), "disk_gb": float(math.ceil(req.disk_gb))}
-    return prov.model_copy(update={k: max(v, getattr(prov, k)) for k, v in figures.items() if k in unset})
+    update = {k: max(v, getattr(prov, k)) for k, v in figures.items() if k in unset}
+    speed = dict(zip(("disk_throughput_mbps", "disk_iops"), gp3_performance(req.checkpoint_gb), strict=True))
+    return prov.model_copy(update=update | {k: v for k, v in speed.items() if k in disk_speed})
 
 
 def market_note(cfg: GpuctlConfig, prov: CloudProvider) -> str:
@@ -142,8 +163,21 @@ def sizing_note(cfg: GpuctlConfig, prov: CloudProvider) -> str:
     plan_ram, plan_disk = math.ceil(req.ram_gb), math.ceil(req.disk_gb)
     ram_from = "provider.min_ram_gb" if "min_ram_gb" in cfg.provider.model_fields_set else "gpuctl plan"
     disk_from = "provider.disk_gb" if "disk_gb" in cfg.provider.model_fields_set else "gpuctl plan"
-    return (
-        f"host RAM >= {prov.min_ram_gb:g} GB ({ram_from}; plan needs {plan_ram} GB: the worst of load, steady and "
-        f"resume + {req.reserve_gb:g} GB for the OS), disk >= {prov.disk_gb:g} GB ({disk_from}; plan needs "
+    return disk_speed_note(prov, req.checkpoint_gb) + (
+        f"host RAM >= {prov.min_ram_gb:g} GB ({ram_from}; plan needs {plan_ram} GB: the worst of load, steady, "
+        f"save and resume + {req.reserve_gb:g} GB for the OS), disk >= {prov.disk_gb:g} GB ({disk_from}; plan needs "
         f"{plan_disk} GB) for {what}; set provider.min_ram_gb / disk_gb to choose yourself" + market_note(cfg, prov)
+    )
+
+
+def disk_speed_note(prov: CloudProvider, checkpoint_gb: float) -> str:
+    """AWS: the root volume's provisioned speed and what it means for one save (empty elsewhere)."""
+    mibs, iops = getattr(prov, "disk_throughput_mbps", None), getattr(prov, "disk_iops", None)
+    if mibs is None:
+        return ""
+    minutes = checkpoint_gb * 1e9 / 2**20 / mibs / 60
+    default = checkpoint_gb * 1e9 / 2**20 / GP3_MIBS[0] / 60
+    return (
+        f"root gp3 volume {mibs} MiB/s, {iops} IOPS: a {checkpoint_gb:.1f} GB checkpoint writes in {minutes:.1f} min "
+        f"(gp3's default 125 MiB/s: {default:.1f} min; provider.disk_throughput_mbps / disk_iops to choose); "
     )

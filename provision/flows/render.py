@@ -90,7 +90,17 @@ def template_env(config_dir: Path | None) -> jinja2.Environment:
     env.filters["q"] = lambda value: shlex.quote(str(value))
     env.filters["qjoin"] = lambda argv: shlex.join(str(a) for a in argv)
     env.filters["json"] = json.dumps
+    env.globals["fp16_scale_power"] = fp16_scale_power
     return env
+
+
+def fp16_scale_power(max_steps: int) -> int:
+    """fp16's first loss scale is 2^this (ds_config initial_scale_power). DeepSpeed's dynamic scaler skips
+    every step whose gradients overflow and halves the scale after `hysteresis` (2) overflows
+    (deepspeed/runtime/fp16/loss_scaler.py DynamicLossScaler.update_scale l.253-275), and doubles it only
+    after loss_scale_window (1000) clean steps: a start above what the model needs costs one skipped step
+    per halving + 1. DeepSpeed starts at 2^16; a short run starts at 2^12, one power more per 50 steps."""
+    return min(16, 12 + max(0, max_steps) // 50)
 
 
 def rank_env(cfg: GpuctlConfig, spec: BundleSpec) -> dict[str, str]:

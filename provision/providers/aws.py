@@ -12,7 +12,8 @@
   group's own members (key pair and group: aws_network.py);
   InstanceInitiatedShutdownBehavior="terminate" so `shutdown -h now` on the node ends it
   (self-teardown, budget cap; `shutdown -h +N` is the cap's backstop on every node);
-  tags gpuctl-cluster=<name> on instance and volume.
+  tags gpuctl-cluster=<name> on instance and volume; the root gp3 volume's throughput and IOPS sized
+  so a checkpoint writes in about 5 minutes (provider.disk_throughput_mbps / disk_iops, else sizing).
 - ready: running with a public IP (polled to a deadline), then an SSH banner (cloud.py).
 - terminate: terminate_instances; list: describe_instances by tag; the group and key pair go
   once the instances are terminated.
@@ -238,6 +239,9 @@ class AWSBackend(CloudBackend):
         image_id, root = self._ami(client, prov)
         name = f"gpuctl-{cluster.name}"
         tags = _tags(cluster.name, {USER_TAG: prov.ssh_user, "Name": label})
+        ebs: dict[str, Any] = {"VolumeSize": int(prov.disk_gb), "VolumeType": "gp3", "DeleteOnTermination": True}
+        if prov.disk_throughput_mbps:  # sized by plan's checkpoint (provision.estimate.sizing.gp3_performance)
+            ebs.update(Throughput=prov.disk_throughput_mbps, Iops=prov.disk_iops or 3000)
         args = dict(
             ImageId=image_id,
             InstanceType=offer.id,
@@ -247,12 +251,7 @@ class AWSBackend(CloudBackend):
             SecurityGroupIds=[network.group_id(client, name)],
             InstanceInitiatedShutdownBehavior="terminate",
             ClientToken=label[:64],  # botocore's retries of this call create one instance
-            BlockDeviceMappings=[
-                {
-                    "DeviceName": root,
-                    "Ebs": {"VolumeSize": int(prov.disk_gb), "VolumeType": "gp3", "DeleteOnTermination": True},
-                }
-            ],
+            BlockDeviceMappings=[{"DeviceName": root, "Ebs": ebs}],
             TagSpecifications=[{"ResourceType": "instance", "Tags": tags}, {"ResourceType": "volume", "Tags": tags}],
         )
         args["UserData"] = user_data(prov, public_key if prov.key_name else None)

@@ -247,7 +247,9 @@ class CloudBackend(ProviderBackend):
         cluster last."""
         from provision.estimate.sizing import sized_provider
 
-        prov = sized_provider(cfg)  # what the offers were searched with: disk, RAM, uplink as plan sized them
+        prov = sized_provider(
+            cfg
+        )  # what the offers were searched with: disk, RAM, uplink, AWS volume speed as plan sized them
         self.prepare(prov, record, public_key)
         for node, offer in zip(record.nodes, picks, strict=True):
             assert node.label is not None  # planned_node gave it one
