@@ -138,8 +138,14 @@ def main() -> None:
         load_after = os.getloadavg()[0]
     print_table(samples, checkouts, sky, args.repeats, (load_before, load_after))
     if args.json:
-        medians = {f"{who} {name}": [statistics.median(col) for col in zip(*s)] for (who, name), s in samples.items()}
-        args.json.write_text(json.dumps({"load": [load_before, load_after], "median_wall_cpu_mib": medians}, indent=2))
+        figures = {f"{who} {name}": medians(runs) for (who, name), runs in samples.items()}
+        args.json.write_text(json.dumps({"load": [load_before, load_after], "median_wall_cpu_mib": figures}, indent=2))
+
+
+def medians(runs: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """Median wall s, CPU s and MiB of a command's runs."""
+    wall, cpu, mib = (statistics.median(col) for col in zip(*runs, strict=True))
+    return wall, cpu, mib
 
 
 def print_table(samples: dict, checkouts: list[Path], sky: str | None, repeats: int, load: tuple) -> None:
@@ -147,15 +153,17 @@ def print_table(samples: dict, checkouts: list[Path], sky: str | None, repeats: 
     print(f"{'command':<11} {'checkout':<28} {'wall s':>7} {'cpu s':>7} {'MiB':>6}  goal")
     for name in COMMANDS:
         for checkout in checkouts:
-            wall, cpu, mib = (statistics.median(col) for col in zip(*samples[(str(checkout), name)]))
+            wall, cpu, mib = medians(samples[(str(checkout), name)])
             goal = GOAL_S.get(name, GOAL_S_DEFAULT)
             ok = "ok" if wall <= goal and mib <= GOAL_MIB else "OVER"
-            print(f"{name:<11} {str(checkout)[-28:]:<28} {wall:>7.3f} {cpu:>7.3f} {mib:>6.1f}  {ok} ({goal} s, {GOAL_MIB} MiB)")
+            print(
+                f"{name:<11} {str(checkout)[-28:]:<28} {wall:>7.3f} {cpu:>7.3f} {mib:>6.1f}  {ok} ({goal} s, {GOAL_MIB} MiB)"
+            )
         if name in SKY:
             if sky is None:
                 print(f"{name:<11} {'sky':<28} not installed")
             else:
-                wall, cpu, mib = (statistics.median(col) for col in zip(*samples[("sky", name)]))
+                wall, cpu, mib = medians(samples[("sky", name)])
                 print(f"{name:<11} {'sky':<28} {wall:>7.3f} {cpu:>7.3f} {mib:>6.1f}")
 
 

@@ -12,18 +12,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from provision.core import interrupt, state
-from provision.core.config import GpuctlConfig, check_batch
-from provision.core.credentials import StorageCredentials, storage_credentials, user_secrets
 from provision.core.errors import GpuctlError, RemoteError
 from provision.flows import nodedata
-from provision.flows.render import BundleNode, BundleSpec, render_bundle
-from provision.flows.resume import check_resume
 from provision.providers import backend
-from provision.transport.remote import Node
 from trainer.objstore.atomic import atomic_write
+
+if TYPE_CHECKING:  # status, logs and cancel only read records: render (jinja2) and the config load with train
+    from provision.core.config import GpuctlConfig
+    from provision.core.credentials import StorageCredentials
+    from provision.flows.render import BundleSpec
+    from provision.transport.remote import Node
 
 TERMINAL = ("succeeded", "failed", "cancelled", "lost")
 POLL_S = 0.5
@@ -62,6 +63,9 @@ def bundle_spec(
 ) -> BundleSpec:
     """credentials: the node's storage credentials (default: resolved now from boto3's chain);
     secrets_env: the values of gpuctl.yaml's `secrets:` (train reads them; render leaves them out)."""
+    from provision.core.credentials import storage_credentials
+    from provision.flows.render import BundleNode, BundleSpec
+
     first = cluster.nodes[0]
     prov = cfg.provider
     spec = BundleSpec(
@@ -109,6 +113,11 @@ def start_run(
 
     run_id and seed_files (run-dir files shipped with the bundle): a recovered run keeps its id
     and its metrics.jsonl (flows/recover.py)."""
+    from provision.core.config import check_batch
+    from provision.core.credentials import storage_credentials, user_secrets
+    from provision.flows.render import render_bundle
+    from provision.flows.resume import check_resume
+
     if cluster.creating:
         raise GpuctlError(
             f"cluster {cluster.name} is not up: an `up` is creating it or was stopped before it finished",

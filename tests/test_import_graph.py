@@ -1,0 +1,95 @@
+"""The everyday commands stay light: `gpuctl --help`, and `status` / `logs` on a recorded local
+cluster, load none of the heavy packages below (checked in sys.modules as the process exits).
+
+Speed itself belongs to benchmarks/bench_cli.py; this keeps the import graph honest, so the next
+feature cannot quietly slow every command: a new heavy dependency joins HEAVY.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# Cloud and SSH clients, the template engine, the node side's stack, and what typer's rich help
+# renderer pulls in (markdown-it, pygments): each costs tens of milliseconds to import.
+HEAVY = (
+    "boto3",
+    "botocore",
+    "s3transfer",
+    "paramiko",
+    "fabric",
+    "invoke",
+    "cryptography",
+    "nacl",
+    "jinja2",
+    "torch",
+    "deepspeed",
+    "transformers",
+    "numpy",
+    "requests",
+    "markdown_it",
+    "pygments",
+)
+
+# Runs gpuctl's main as `gpuctl ARGS` would, then writes the top-level packages loaded to $OUT.
+WRAPPER = """
+import json, sys
+out, sys.argv = sys.argv[1], ["gpuctl", *sys.argv[2:]]
+try:
+    from provision.cli.app import main
+    main()
+finally:
+    with open(out, "w") as f:
+        json.dump(sorted({name.split(".")[0] for name in sys.modules}), f)
+"""
+
+RUN_ID = "20261204-000000-ig01"
+
+
+@pytest.fixture
+def recorded_local(project: Path) -> Path:
+    """A local cluster and a finished run recorded in the state dir, its files where a run leaves them."""
+    from provision.core import state
+
+    (project / "gpuctl.yaml").write_text("name: light\nprovider:\n  kind: local\n")
+    state.save_cluster(state.ClusterRecord(name="light", provider="local", nodes=[state.NodeRecord(host="localhost")]))
+    run_dir = project / "node" / RUN_ID
+    run_dir.mkdir(parents=True)
+    (run_dir / "job.log").write_text("step 1/1 loss 2.000\n")
+    (run_dir / "status.json").write_text(json.dumps({"state": "succeeded", "exit_code": 0}))
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+    fields = {"world_size": 1, "train_batch_size": 1, "micro_batch": 1, "grad_accum": 1, "max_steps": 1}
+    state.save_run(
+        state.RunRecord(run_id=RUN_ID, cluster="light", run_dir=str(run_dir), bundle_dir=str(run_dir), **fields)
+    )
+    return project
+
+
+def loaded_by(args: list[str], cwd: Path) -> tuple[list[str], str]:
+    """(top-level packages in sys.modules when `gpuctl ARGS` exits, its stdout)."""
+    out = cwd / "modules.json"
+    proc = subprocess.run(
+        [sys.executable, "-c", WRAPPER, str(out), *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "shows"),
+    [(["--help"], "status"), (["status"], f"run {RUN_ID}: succeeded"), (["logs"], "step 1/1 loss 2.000")],
+)
+def test_everyday_commands_load_nothing_heavy(recorded_local, args, shows):
+    modules, stdout = loaded_by(args, recorded_local)
+    assert shows in stdout  # the command did its work: the check below is not of a failed start
+    assert [m for m in HEAVY if m in modules] == []
+
+
+def test_the_check_sees_a_heavy_import(recorded_local):
+    """The check can fail: a command whose path imports jinja2 (`render`) is caught."""
+    modules, _ = loaded_by(["render", "-o", str(recorded_local / "bundle")], recorded_local)
+    assert "jinja2" in modules
