@@ -45,9 +45,17 @@ GOAL_S_DEFAULT, GOAL_MIB = 0.25, 45
 SKY = {"--help": ["--help"], "status": ["status"]}
 
 
-def make_scenario(root: Path) -> tuple[Path, dict[str, str]]:
+def scenario(root: Path) -> tuple[Path, dict[str, str]]:
+    """make_scenario in a child process: this one imports no pydantic or provision, so its memory
+    (which a forked child starts from) stays below what it measures. (project dir, env for gpuctl)."""
+    subprocess.run([sys.executable, __file__, "--make-scenario", str(root)], check=True)
+    env = {**os.environ, "GPUCTL_STATE_DIR": str(root / "state"), "PYTHONPATH": str(ROOT)}
+    return root / "project", env
+
+
+def make_scenario(root: Path) -> None:
     """A project (the default local config, a file store with one checkpoint) and a state dir with
-    its local cluster and a finished run: (project dir, env for gpuctl)."""
+    its local cluster and a finished run."""
     project, state_root, node = root / "project", root / "state", root / "node"
     for folder in (project, state_root, node):
         folder.mkdir(parents=True)
@@ -88,8 +96,6 @@ def make_scenario(root: Path) -> tuple[Path, dict[str, str]]:
     store = CheckpointStore.from_config({**cfg.storage_settings(), "url": str(project / "gpuctl-storage")})
     store.upload_shards(shard, "step30", 0, step=30)
     store.publish("step30", 30, world_size=3, num_nodes=1, timeout=10)
-    env = {**os.environ, "GPUCTL_STATE_DIR": str(state_root), "PYTHONPATH": str(ROOT)}
-    return project, env
 
 
 def write_finished_run(run_dir: Path) -> None:
@@ -117,11 +123,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9, help="runs of each command (median)")
     ap.add_argument("--against", type=Path, action="append", default=[], help="another checkout to time too")
     ap.add_argument("--json", type=Path, help="write the figures here")
+    ap.add_argument("--make-scenario", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.make_scenario:
+        make_scenario(args.make_scenario)
+        return
     checkouts = [ROOT, *[p.resolve() for p in args.against]]
     sky = shutil.which("sky")
     with tempfile.TemporaryDirectory(prefix="bench-cli-") as tmp:
-        project, env = make_scenario(Path(tmp))
+        project, env = scenario(Path(tmp))
         samples: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
         load_before = os.getloadavg()[0]
         for _ in range(args.repeats):
