@@ -62,9 +62,10 @@ def make_scenario(root: Path) -> None:
     os.environ["GPUCTL_STATE_DIR"] = str(state_root)
     from provision.core import state
     from provision.core.config import load_config
+    from provision.flows.init_config import config_text
     from trainer.objstore.store import CheckpointStore
 
-    text = (ROOT / "templates" / "gpuctl.yaml").read_text()
+    text = config_text("local")  # what `gpuctl init` writes
     (project / "gpuctl.yaml").write_text(text.replace("name: null", "name: bench", 1))
     cfg = load_config(project / "gpuctl.yaml")
     state.save_cluster(
