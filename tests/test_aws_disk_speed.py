@@ -32,7 +32,7 @@ def test_gp3_is_sized_to_write_a_checkpoint_in_bounded_time():
 @pytest.mark.timeout(240)
 def test_up_provisions_the_root_volume_speed_and_says_it(project, gpuctl, ec2, tmp_path, sshd, state_dir, monkeypatch):  # noqa: F811
     register_amis(ec2)
-    write_config(project, provider(ec2, tmp_path, sshd, min_ram_gb=128, disk_gb=400), name="aws-d", **SEED_TRAIN)
+    write_config(project, provider(ec2, tmp_path, sshd, min_ram_gb=192, disk_gb=400), name="aws-d", **SEED_TRAIN)
     instance_key(sshd, "aws-d")
     cfg = load_config(project / "gpuctl.yaml")
     sent: list[dict] = []

@@ -149,7 +149,7 @@ def test_the_aws_block_starts_as_written(project, gpuctl, s3_env, monkeypatch, t
         server.stop()
     assert listed.returncode == 0, listed.stderr
     assert [o["id"] for o in json.loads(listed.stdout)] == ["g5.12xlarge"]
-    assert "host RAM >= 158 GB (gpuctl plan" in listed.stderr  # DeepSeek-7B on its 4 GPUs
+    assert "host RAM >= 172 GB (gpuctl plan" in listed.stderr  # DeepSeek-7B on its 4 GPUs
 
 
 # --- what `train` says once the run on rented nodes ended ----------------------------------------------

@@ -145,7 +145,7 @@ def test_the_guards_dry_run_passes_with_a_good_key(project, vast_fake, tmp_path)
 
 def test_every_node_deletes_itself_at_the_cap_when_node_0s_guard_is_gone(project, vast_fake, tmp_path, monkeypatch):
     monkeypatch.setattr(guard, "BACKSTOP_SLACK_MIN", 0.1)  # node 1's own guard: 6 s after the cap
-    vast_fake.offers.append(offer(1009, price=1.60))
+    vast_fake.offers.append(offer(1019, price=1.60))
     prov = {"kind": "vast", "api_url": vast_fake.url, "nodes": 2, "max_hours": 0.01, **node_fields(tmp_path, ranks=1)}
     write_config(project, prov, name="cap-two", micro_batch=1, grad_accum=2)
     record = up(project)

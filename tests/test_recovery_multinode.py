@@ -38,8 +38,8 @@ def fake(sshd, monkeypatch):
 
 
 def two_nodes(project: Path, fake, tmp_path: Path, recovery: dict, **train):
-    """gpuctl.yaml for 2 nodes of 1 CPU rank (offers 1001 and 1003); a third fitting offer, 1009, dearer."""
-    fake.offers.append(offer(1009, price=1.60, where="Thirdplace, TP"))
+    """gpuctl.yaml for 2 nodes of 1 CPU rank (offers 1001 and 1003); a third fitting offer, 1019, dearer."""
+    fake.offers.append(offer(1019, price=1.60, where="Thirdplace, TP"))
     prov = {"kind": "vast", "api_url": fake.url, "nodes": 2, **node_fields(tmp_path, ranks=1)}
     path = write_config(project, prov, name="vast-two", micro_batch=1, grad_accum=2, **train)
     doc = yaml.safe_load(path.read_text())
@@ -61,7 +61,7 @@ def test_only_the_lost_node_is_replaced(project, fake, tmp_path, state_dir):
     new = replace_node.replace_lost_nodes(cfg, run, record, [1], {"51003"}, said.append)
     assert new is not None
     assert [n.instance_id for n in new.nodes] == ["7000001", "7000003"]  # node 0 kept its instance
-    assert [n.host_id for n in new.nodes] == ["51001", "51009"] and new.world_size == 2
+    assert [n.host_id for n in new.nodes] == ["51001", "51019"] and new.world_size == 2
     assert [n.address for n in new.nodes] == ["127.0.0.1", "127.0.0.2"]
     assert fake.deleted == [7000002] and sorted(fake.instances) == [7000001, 7000003]
     assert new.price_per_hour == pytest.approx(1.05 + 1.60) and new.spent_cost > 0
@@ -77,7 +77,7 @@ def test_no_replacement_offer_gives_the_whole_cluster_path(project, fake, tmp_pa
 
     record = cluster.up(cfg, UpOptions(assume_yes=True, say=lambda _: None))
     run = saved_run(record.name, "20261203-000000-ef57")
-    fake.offers = [o for o in fake.offers if o["id"] != 1009]
+    fake.offers = [o for o in fake.offers if o["id"] != 1019]
     fake.preempt(7000002)
     said: list[str] = []
     assert replace_node.replace_lost_nodes(cfg, run, record, [1], {"51003"}, said.append) is None

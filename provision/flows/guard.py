@@ -129,11 +129,12 @@ def guard_dir(workdir: str) -> str:
     return f"{workdir.rstrip('/')}/{GUARD_DIR}"
 
 
-def seconds_left(cluster: state.ClusterRecord, now: float | None = None) -> int:
-    """Seconds from now until the cap (0 when it has passed: the guard tears down at once)."""
+def node_deadline(cluster: state.ClusterRecord, node_now: int) -> int:
+    """The cap as an instant on the node's clock, read (`date +%s`, truncated) just before: rounded up,
+    so the guard never fires before the cap (at most 2 s after it); `node_now` when it has passed."""
     assert cluster.budget_hours is not None  # only called for a capped cluster
     end = cluster.created_at + cluster.budget_hours * 3600
-    return max(0, math.floor(end - (time.time() if now is None else now)))
+    return node_now + max(0, math.ceil(end - time.time()) + 1)
 
 
 def _cap_text(cluster: state.ClusterRecord) -> str:
@@ -192,10 +193,10 @@ def start(
             plans.append(Plan(i, _name(i), own, BACKSTOP_SLACK_MIN * 60))
     for rec, node in zip(cluster.nodes, nodes, strict=True):  # all first: on a shared disk one folder serves all
         node.sh(STOP_OLD, guard_dir(rec.workdir), timeout=60)
-    left = seconds_left(cluster)
+    left = max(0.0, cluster.created_at + (cluster.budget_hours or 0) * 3600 - time.time())  # what `up` says
     pid = 0
     for plan in plans:
-        started = _start_one(cluster, nodes[plan.index], plan, left, stop_wait)
+        started = _start_one(cluster, nodes[plan.index], plan, stop_wait)
         pid = pid or started
         if plan.index == 0:
             say(f"budget guard started on {cluster.nodes[0].host}: it tears the cluster down in {left / 60:.1f} min")
@@ -205,14 +206,15 @@ def start(
     return pid
 
 
-def _start_one(cluster: state.ClusterRecord, node: Node, plan: Plan, left: int, stop_wait: int) -> int:
+def _start_one(cluster: state.ClusterRecord, node: Node, plan: Plan, stop_wait: int) -> int:
     folder = guard_dir(cluster.nodes[plan.index].workdir)
     node.sh('mkdir -p -- "$1" && chmod 700 -- "$1"', folder, timeout=60)
     env = "".join(f"{k}={shlex.quote(v)}\n" for k, v in plan.teardown.env.items())
     _put(node, f"{folder}/{plan.name}.env", env, "600")  # written under umask 077: 0600 from the start
     _dry_run(cluster, node, plan, folder)
     now = int(node.sh("date +%s", timeout=60).stdout.strip())  # the node's clock: the deadline is its instant
-    text = script(cluster, plan.teardown.argv, now + left + plan.slack_s, stop_wait=stop_wait, index=plan.index)
+    deadline = node_deadline(cluster, now) + plan.slack_s
+    text = script(cluster, plan.teardown.argv, deadline, stop_wait=stop_wait, index=plan.index)
     _put(node, f"{folder}/{plan.name}.sh", text, "700")
     _put(node, f"{folder}/boot.sh", BOOT_SH, "700")
     pid = node.start_detached(folder, f"{plan.name}.sh", f"{plan.name}.log")
@@ -247,7 +249,7 @@ def _dry_run(cluster: state.ClusterRecord, node: Node, plan: Plan, folder: str) 
 
 
 def _backstop(
-    cluster: state.ClusterRecord, provider: ProviderBackend, nodes: list[Node], left: int, say: Callable[[str], None]
+    cluster: state.ClusterRecord, provider: ProviderBackend, nodes: list[Node], left: float, say: Callable[[str], None]
 ) -> None:
     minutes = math.ceil(left / 60) + BACKSTOP_SLACK_MIN
     for rec, node in zip(cluster.nodes, nodes, strict=True):
