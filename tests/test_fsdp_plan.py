@@ -5,10 +5,6 @@ shards after backward, AdamW's state after the step); plan's per-rank figures mu
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import textwrap
 from dataclasses import replace
 
@@ -90,31 +86,7 @@ def test_plans_fsdp_host_terms_match_what_cpu_offload_holds(tmp_path):
 def measure(tmp_path, offload: str) -> list[dict]:
     script = tmp_path / "measure.py"
     script.write_text(MEASURE)
-    argv = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "3",
-        str(script),
-        offload,
-    ]
-    proc = subprocess.Popen(
-        argv,
-        cwd=tmp_path,
-        env=h.rank_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
-    assert proc.returncode == 0, out[-3000:]
+    h.torchrun(tmp_path, 3, str(script), offload)
     ranks = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("measured.*.json"))]
     assert sorted(r["rank"] for r in ranks) == [0, 1, 2]
     return ranks

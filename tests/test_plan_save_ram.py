@@ -11,10 +11,6 @@ cannot show the device-to-host copy itself, only its size."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -57,23 +53,7 @@ MEASURE = textwrap.dedent("""
 def test_save_term_is_the_storage_rank_0_hands_torch_save(tmp_path):
     (tmp_path / "measure.py").write_text(MEASURE)
     (tmp_path / "ds.json").write_text(json.dumps(h.ds_config(1, 1, 2, "fp32", True, 1e-3)))
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    argv += [str(tmp_path / "measure.py"), str(tmp_path / "ds.json"), str(tmp_path / "ckpt")]
-    proc = subprocess.Popen(
-        argv,
-        cwd=tmp_path,
-        env=h.rank_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
-    assert proc.returncode == 0, out[-3000:]
+    out = h.torchrun(tmp_path, 2, str(tmp_path / "measure.py"), str(tmp_path / "ds.json"), str(tmp_path / "ckpt"))
     ranks = {
         r["rank"]: r
         for r in (json.loads(line.split("MEASURED ", 1)[1]) for line in out.splitlines() if "MEASURED " in line)

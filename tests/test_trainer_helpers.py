@@ -153,6 +153,28 @@ def launch(run_dir: Path, world: int, timeout: float = 300) -> subprocess.Comple
     return subprocess.CompletedProcess(proc.args, proc.returncode, log.read_text())
 
 
+def torchrun(cwd: Path, nproc: int, *args: str, timeout: float = 240) -> str:
+    """`torchrun --standalone --nproc_per_node N ARGS` with CPU ranks, in its own session (the whole
+    group is killed on timeout, so no rank outlives the test); its output, once it exited 0."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *args]
+    proc = subprocess.Popen(
+        argv,
+        cwd=cwd,
+        env=rank_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
 def losses(run_dir: Path) -> dict[int, float]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return {rec["step"]: rec["loss"] for rec in map(json.loads, lines)}
