@@ -85,3 +85,27 @@ def gpuctl(project) -> Gpuctl:
     each call: ``gpuctl("up", "--yes", env={"KEY": "v"}, timeout=60, check=True, input="n\\n")``
     (``env`` is laid over os.environ; ``cwd=`` picks another folder)."""
     return Gpuctl(project)
+
+
+# Under pytest-xdist (tests/run.sh runs `-n N --dist loadgroup`), tests that share one engine that
+# a session may hold only once go to one worker, in one group each: the image engine (a file lock
+# on its persistent data root: a second worker would wait for the first's whole session) and the
+# Slurm cluster (one slurmctld per session). Everything else spreads over the workers.
+ONE_WORKER_FIXTURES = {"image_engine": "image-engine", "trainer_image": "image-engine", "slurm_cluster": "slurm"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for fixture, group in ONE_WORKER_FIXTURES.items():
+            if fixture in item.fixturenames:
+                item.add_marker(pytest.mark.xdist_group(group))
+                break
+    # The long ones first (the engines' groups, then the runs with real ranks): a worker that draws
+    # one at the end is the tail of the whole run. Stable: a file's tests keep their order.
+    items.sort(key=_start_order)
+
+
+def _start_order(item) -> int:
+    if item.get_closest_marker("xdist_group"):
+        return 0
+    return 1 if item.get_closest_marker("slow") else 2

@@ -60,7 +60,13 @@ phase "ruff + mypy"
 set +e
 # --durations: the 25 slowest tests, at every run (the trainer image build is inside the first
 # test that asks for it: see its setup time there).
-"$PY" -m pytest -q -p no:cacheprovider --durations=25 "$@"
+# Workers: most tests wait (on a fake vendor's cap, an sshd, a container) rather than compute,
+# so one more worker than cores overlaps the waits; GPUCTL_TEST_WORKERS=0 runs in one process.
+# --dist loadgroup keeps the tests of a one-per-session engine on one worker (tests/conftest.py).
+WORKERS="${GPUCTL_TEST_WORKERS:-$(( $(nproc) + 1 ))}"
+XDIST=(-n "$WORKERS" --dist loadgroup)
+[ "$WORKERS" = 0 ] && XDIST=()
+"$PY" -m pytest -q -p no:cacheprovider --durations=25 "${XDIST[@]}" "$@"
 rc=$?
 set -e
 phase "pytest"

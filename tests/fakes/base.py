@@ -78,6 +78,7 @@ class FakeApi:
     mangle: Callable[[str, str, object, object], object] | None = None
 
     def __post_init__(self):
+        self.crashes: list[str] = []  # handler exceptions (a bug in the fake or in a test's patch)
         self.lock = threading.RLock()
         self.server: ThreadingHTTPServer | None = None
 
@@ -97,6 +98,7 @@ class FakeApi:
         class Server(ThreadingHTTPServer):
             def handle_error(self, request, client_address):  # quiet when the client went away
                 if not isinstance(sys.exc_info()[1], ConnectionError):  # (a Ctrl-C test held its request)
+                    fake.crashes.append(repr(sys.exc_info()[1]))
                     super().handle_error(request, client_address)
 
         self.server = Server(("127.0.0.1", 0), Handler)
@@ -108,6 +110,9 @@ class FakeApi:
         if self.server:
             self.server.shutdown()
             self.server.server_close()
+        # A fake that crashed answered nothing: the client retried for its whole backoff and the
+        # test passed slowly on a path it did not mean to test.
+        assert not self.crashes, f"the fake {type(self).__name__} crashed serving a request: {self.crashes}"
 
     def __enter__(self):
         return self.start()
