@@ -7,8 +7,8 @@ host-side accumulation buffers exist. The process is set up like a trainer rank 
 pinning on torch >= 2.13, else pageable; trainer.hostenv: its share of the cores). Random init, the real dims
 (30 layers, hidden 4096, FFN 11008, vocab 102400; --layers shrinks the depth to fit the host), built directly
 in 16-bit on the GPU, micro 1 x seq 2048, gradient checkpointing, a few optimizer steps on random tokens.
-Prints, next to plan()'s prediction for the same config: tokens/s, TFLOP/s, MFU; GPU peak memory; host RSS,
-pinned bytes, and each offload buffer DeepSpeed allocated (read off its optimizer) against plan's terms.
+Prints beside plan()'s prediction: tokens/s, MFU; the step against plan's step-time model (tables, and calibrated
+by trainer.doctor_rates measured here first); GPU memory; host RSS, pinned bytes, each offload buffer.
 
     python benchmarks/gpu_check.py --layers 30 --steps 6         # or: deepspeed --num_gpus 1 benchmarks/gpu_check.py
     python benchmarks/gpu_check.py --plan-only --gpu "NVIDIA H200" --layers 8   # the prediction only, no torch
@@ -36,6 +36,7 @@ from provision.estimate.hardware import GB, KNOWN_MODELS, PlanError
 from provision.estimate.plan import PlanInput, PlanResult, plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_check_report as step_report
 from gpu_check_report import measure_host_buffers, pinned_bytes, planned_host_buffers, report, rss_gb, say
 
 TINY_SMOKE = dict(hidden=256, heads=4, intermediate=688, vocab=1024)
@@ -264,6 +265,7 @@ def run(args: argparse.Namespace) -> dict:
     if os.environ.get("RANK", "0") == "0":
         print_plan(pred)
     host_ram_check(args, pred, pinning)
+    rates = step_report.node_rates(args, pred)  # before this process builds its model: the GPU is the measurement's
     try:
         import deepspeed
     except ImportError as exc:
@@ -317,6 +319,7 @@ def run(args: argparse.Namespace) -> dict:
         "host_peak_rss_gb": rss_peak,
         "pinned": pinned_bytes(),
         "host_buffers": measure_host_buffers(engine) if args.offload == "cpu" else {},
+        "step_check": step_report.step_check(pred, rates, steady, dev.type),
         "plan": {
             "gpu_gb_per_rank": pred.gpu_gb_per_rank,
             "model_states_gb": pred.memory.model_states_bytes / GB,
@@ -385,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
         print(str(exc), file=sys.stderr)
         return 2
     report(res)
+    if res["rank"] == 0:
+        step_report.print_step_check(res["step_check"])
     if args.json:
         path = args.json if world() == 1 else args.json.with_suffix(f".rank{res['rank']}{args.json.suffix}")
         path.write_text(json.dumps(res, indent=2))

@@ -103,3 +103,61 @@ def report(res: dict) -> None:
     )
     pinned = ", ".join(f"{k} {v:.2f} GB" for k, v in res["pinned"].items()) or "not reported"
     print(f"measured: pinned {pinned}; plan {p['pinned_gb']:.2f} GB per node ({res['pinning']})")
+
+
+def node_rates(args, pred: PlanResult) -> dict | None:
+    """`gpuctl doctor`'s speed figures (trainer.doctor_rates) measured here for the check's own config; None
+    with several ranks (each would want the GPUs the measurement takes)."""
+    import dataclasses
+
+    from trainer.doctor_rates import disk_write, measure
+
+    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+        return None
+    dims = {k: v for k, v in dataclasses.asdict(pred.model).items() if k != "name"}
+    accel = "cpu" if args.cpu_smoke else "cuda"
+    request = {
+        "ranks": 1,
+        "accelerator": accel,
+        "model": dims,
+        "micro_batch": args.micro_batch,
+        "seq_len": args.seq_len,
+        "precision": args.precision,
+        "checkpointing": not args.no_checkpointing,
+        "zero_stage": args.zero_stage,
+        "adam_params": pred.params if args.offload == "cpu" else None,
+    }
+    return {"disk": disk_write(str(Path.cwd()), 512), **measure(request)}
+
+
+def step_check(pred: PlanResult, rates: dict | None, steady: list[float], accelerator: str) -> dict:
+    """plan's step-time model for this config: the tables' and, with the node's figures, the calibrated one,
+    beside the measured mean step (the steps after the warm-up)."""
+    from provision.estimate.doctor_speed import raw_rates
+    from provision.estimate.step_time import model_to_json, predict
+
+    out = {
+        "measured_step_s": sum(steady) / len(steady),
+        "tables": model_to_json(predict(pred, accelerator=accelerator)),
+    }
+    if rates is not None:
+        raw = raw_rates({"rates": rates})
+        out["calibrated"] = model_to_json(predict(pred, accelerator=accelerator, doctor={"this node": raw}))
+        out["rates"] = raw
+    return out
+
+
+def print_step_check(check: dict) -> None:
+    seen = check["measured_step_s"]
+    for kind in ("tables", "calibrated"):
+        m = check.get(kind)
+        if m is None:
+            continue
+        lo, hi = m["step_s_range"]
+        print(
+            f"step time, plan ({kind}): {m['step_s']:.3f} s ({lo:.3f}-{hi:.3f}), bound {m['bound']}; measured "
+            f"{seen:.3f} s ({seen / m['step_s'] - 1:+.0%})"
+        )
+        for t in m["terms"]:
+            if t["seconds"]:
+                print(f"    {t['name']:16s} {t['seconds']:9.3f} s   {t['source']}")

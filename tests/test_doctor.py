@@ -84,6 +84,10 @@ def assert_full_cpu_table(rows: dict[str, dict]) -> None:
     assert busbw == pytest.approx(algbw * 2 * 2 / 3, rel=0.02) and algbw > 0  # busbw = algbw x 2(n-1)/n
     assert rows["storage put/get/delete"]["status"] == "pass", rows["storage put/get/delete"]
     assert rows["storage throughput (64 MB)"]["status"] in ("pass", "warn")
+    # the step-time model's rates, measured on the node (trainer/doctor_rates.py)
+    assert rows["disk write rate"]["status"] in ("pass", "warn") and "MB/s" in rows["disk write rate"]["value"]
+    assert "M params/s per rank" in rows["CPU Adam throughput"]["value"]
+    assert rows["host<->device copy"]["status"] == "n/a"
 
 
 @pytest.mark.slow
@@ -96,6 +100,9 @@ def test_local_up_runs_quick_checks_and_doctor_measures_gloo(project, gpuctl: Gp
     doc = json.loads(full.stdout)
     assert doc["quick"] is False
     assert_full_cpu_table(rows_by_check(doc))
+    assert "forward+backward (model shape)" in rows_by_check(doc)  # gpuctl.yaml's model: plan knows its shape
+    plan = json.loads(gpuctl("plan", "--json", check=True).stdout)["step_time"]
+    assert {"compute", "grad reduce", "cpu adam", "framework/micro"} <= set(plan["measured_terms"])
     status = gpuctl("status", check=True, env={"COLUMNS": "200"})
     assert "doctor (checks" in status.stdout and "fail" not in status.stdout.split("doctor (")[1].splitlines()[0]
     gpuctl("down", "--yes", check=True)

@@ -45,9 +45,13 @@ def test_up_train_status_down(project, gpuctl, state_dir):
     write_config(project, gpuctl, max_steps=12, checkpoint_every=6)
     up = gpuctl("up")
     assert up.returncode == 0, up.stderr
+    assert "predicted: step" in up.stdout + up.stderr  # plan's step-time model, before any step
     train = gpuctl("train")
     assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
     assert "step 12/12" in train.stdout
+    said = train.stdout + train.stderr
+    assert "predicted: step" in said and "12 steps in" in said
+    assert "forward+backward" in said and "optimizer step" in said  # predicted beside measured, at the end
     assert "[INFO]" not in train.stdout and "\x1b" not in train.stdout  # a pipe: plain lines, no launcher chatter
 
     status = json.loads(gpuctl("status", "--json").stdout)
@@ -57,6 +61,12 @@ def test_up_train_status_down(project, gpuctl, state_dir):
     assert run["tokens_per_s"] > 0
     assert shm_buffers() <= shm_before  # DeepSpeed's CPU allreduce buffers (69 MB a rank) are gone
     metrics = [json.loads(line) for line in Path(run["run_dir"], "metrics.jsonl").read_text().splitlines()]
+    # the trainer times the parts plan models: forward + backward, the optimizer step, and each save
+    assert all(m["fwd_bwd_s"] > 0 and m["optimizer_s"] > 0 for m in metrics)
+    assert all(m["fwd_bwd_s"] + m["optimizer_s"] <= m["step_time_s"] * 1.01 for m in metrics)
+    assert [m["step"] for m in metrics if m.get("save_s")] == [7]  # the save after step 6, on the next record
+    summary = json.loads(Path(run["run_dir"], "summary.json").read_text())
+    assert len(summary["save_s"]) == 2 and all(s > 0 for s in summary["save_s"])
     first, last = metrics[0]["loss"], metrics[-1]["loss"]
     assert last < first * 0.8, (first, last)  # the loss falls
     assert abs(run["final_loss"] - last) < 1e-6
@@ -70,6 +80,7 @@ def test_up_train_status_down(project, gpuctl, state_dir):
     report = gpuctl("report", "-o", "rep")
     assert report.returncode == 0, report.stderr
     assert "| 3 CPU ranks | 12 |" in report.stdout and run["run_id"] in report.stdout
+    assert "predicted vs measured" in report.stdout and "step (saves apart)" in report.stdout
     from PIL import Image
 
     with Image.open(project / "rep" / "report.png") as png:

@@ -180,7 +180,11 @@ def test_gpu_check_cpu_smoke_buffers_are_plans(tmp_path):
         [*GPU_CHECK, "--json", str(tmp_path / "r.json")], env=h.rank_env(), capture_output=True, text=True, timeout=500
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    buffers_match(json.loads((tmp_path / "r.json").read_text()))
+    result = json.loads((tmp_path / "r.json").read_text())
+    buffers_match(result)
+    check = result["step_check"]  # plan's step-time model beside the measured step, calibrated here
+    assert check["measured_step_s"] > 0 and "cpu adam" in check["calibrated"]["measured_terms"]
+    assert "step time, plan (calibrated)" in out.stdout
 
 
 @pytest.mark.timeout(600)

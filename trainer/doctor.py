@@ -7,10 +7,11 @@ parses nvidia-smi's output itself, so the rules are tested without a GPU or torc
 
 Request: {"quick": bool, "ranks": int, "accelerator": "cpu"|"cuda", "workdir": str,
 "offload": bool, "storage": {CheckpointStore settings} | null, "storage_env": {AWS_*},
-"env": {gpuctl.yaml env}, "allreduce_mb": int, "storage_mb": int}.
-Quick mode (what `up` runs, seconds): host, GPUs, versions, a small storage round trip. The full
-run adds the all-reduce benchmark (trainer.doctor_allreduce), loading CPU Adam and the storage
-throughput of a larger object.
+"env": {gpuctl.yaml env}, "allreduce_mb": int, "storage_mb": int, "disk_mb": int,
+"rates": {trainer.doctor_rates.measure's request} | null}.
+Quick mode (what `up` runs, seconds): host, GPUs, versions, a small storage round trip, the disk's
+write rate. The full run adds the all-reduce benchmark (trainer.doctor_allreduce), loading CPU Adam,
+the storage throughput of a larger object and the step-time model's rates (trainer.doctor_rates).
 """
 
 from __future__ import annotations
@@ -231,12 +232,23 @@ def main() -> None:
     if request.get("storage"):
         large = 0 if quick else int(request.get("storage_mb") or 0)
         facts["storage"] = storage_facts(request["storage"], request.get("storage_env") or {}, large)
+    from trainer.doctor_rates import disk_write
+
+    facts["rates"] = {"disk": disk_write(request.get("workdir") or "~", int(request.get("disk_mb") or 64))}
     if not quick and "torch" in facts["software"]:
         from trainer.doctor_allreduce import measure
 
         facts["allreduce"] = measure(
             int(request.get("ranks") or 1), accelerator, int(request.get("allreduce_mb") or 32)
         )
+        if isinstance(request.get("rates"), dict) and facts["software"].get("deepspeed"):
+            from trainer import doctor_rates
+
+            facts["rates"].update(
+                doctor_rates.measure(
+                    {**request["rates"], "ranks": request.get("ranks") or 1, "accelerator": accelerator}
+                )
+            )
     sys.stdout.write(json.dumps(facts) + "\n")
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import deepspeed
@@ -85,6 +85,17 @@ class Session:
 
 
 @dataclass
+class StepParts:
+    """Where one optimizer step's seconds went, as this rank timed them (the parts plan models):
+    forward + backward of every micro-step (with ZeRO-2 the gradient reduction and the offloaded
+    gradients' copy run in backward's hooks), and engine.step() (the CPU optimizer, the updated
+    parameters' copy back and their all-gather)."""
+
+    fwd_bwd_s: float = 0.0
+    optimizer_s: float = 0.0
+
+
+@dataclass
 class RunStats:
     """Rank 0's running totals for summary.json."""
 
@@ -96,6 +107,9 @@ class RunStats:
     all_tokens: int = 0  # every step, for runs of a single step
     all_seconds: float = 0.0
     peak_mem_gb: list[float] | None = None
+    parts: StepParts | None = None  # the last step's forward/backward and optimizer seconds
+    pending_save_s: float = 0.0  # saves since the last logged record (metrics.jsonl's save_s)
+    saves: list[float] = field(default_factory=list)  # every save's seconds (summary.json)
 
     def add_step(self, tokens: int, seconds: float, warmup: bool) -> None:
         self.all_tokens, self.all_seconds = self.all_tokens + tokens, self.all_seconds + seconds
@@ -122,7 +136,10 @@ def train(cfg: RunConfig, env: DistEnv, stop: stop_signal.StopSignal) -> dict:
     while pos.step < cfg.train.max_steps and not stop.stopped:
         pos = step_and_log(run, sampler, pos, stats, metrics)
         if stop.agreed() or checkpoint_due(cfg, pos.step):  # agreed() first: a collective on every rank
+            started = time.perf_counter()
             ckpt.save(pos, run.geo.global_batch, final=pos.step == cfg.train.max_steps or stop.stopped)
+            stats.saves.append(time.perf_counter() - started)
+            stats.pending_save_s += stats.saves[-1]
     summary = stop.note(summarize(run, stats, pos, ckpt.last_tag), run.say)
     leave_process_group()  # every rank at once: no rank waits inside a collective while uploads finish
     ckpt.finish()  # local rank 0 of each node: this node's last uploads, outside any collective
@@ -136,7 +153,8 @@ def step_and_log(
     train = run.cfg.train
     lr = run.engine.get_lr()[0]
     started = time.perf_counter()
-    loss_sum = train_step(run, sampler, pos)
+    stats.parts = StepParts()
+    loss_sum = train_step(run, sampler, pos, stats.parts)
     pos = Position(pos.step + 1, pos.samples_seen + run.geo.global_batch)
     log_now = pos.step % train.log_every == 0 or pos.step in (stats.start_step + 1, train.max_steps)
     loss, mem = gather_stats(loss_sum, run.geo) if log_now else (None, None)
@@ -242,18 +260,28 @@ def load_data(cfg: RunConfig, env: DistEnv, tokenizer) -> PackedTokens:
     return PackedTokens(token_file, len(tokenizer), cfg.train.seq_len)
 
 
-def train_step(run: Session, sampler: Sampler, pos: Position) -> torch.Tensor:
-    """One optimizer step over the global batch at pos; returns this rank's summed micro losses."""
+def train_step(run: Session, sampler: Sampler, pos: Position, parts: StepParts | None = None) -> torch.Tensor:
+    """One optimizer step over the global batch at pos; returns this rank's summed micro losses.
+    With `parts`, adds the seconds of forward + backward and of engine.step() to it (on CUDA each
+    part ends with a synchronize, so a part's kernels are charged to it)."""
     engine, geo, env = run.engine, run.geo, run.env
     batch = sampler.global_batch(pos.samples_seen, geo.global_batch)
     loss_sum = torch.zeros((), device=engine.device)
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" and parts is not None else (lambda: None)
     for micro in range(geo.grad_accum):
+        started = time.perf_counter()
         inputs, targets = run.data.batch(micro_slice(batch, env.rank, micro, env.world_size, geo.micro_batch))
         inputs, targets = inputs.to(engine.device), targets.to(engine.device)
         logits = engine(input_ids=inputs).logits
         loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
         engine.backward(loss)  # DeepSpeed scales by 1/grad_accum
+        sync()
+        stepped = time.perf_counter()
         engine.step()  # applies the update only at the accumulation boundary
+        sync()
+        if parts is not None:
+            parts.fwd_bwd_s += stepped - started
+            parts.optimizer_s += time.perf_counter() - stepped
         loss_sum += loss.detach()
         del logits, loss  # free the logits (seq x vocab) before the next micro-step's forward
     return loss_sum
@@ -295,8 +323,12 @@ def record_step(
             skipped=run.precision == "fp16" and not run.engine.was_step_applied(),
             loss_scale=loss_scale(run),
             skipped_steps=skipped_steps(run),
+            fwd_bwd_s=round(stats.parts.fwd_bwd_s, 4) if stats.parts else None,
+            optimizer_s=round(stats.parts.optimizer_s, 4) if stats.parts else None,
+            save_s=round(stats.pending_save_s, 4) if stats.pending_save_s else None,
         )
     )
+    stats.pending_save_s = 0.0
     monitor = getattr(run.engine, "monitor", None)
     if monitor is not None and monitor.enabled:  # DeepSpeed's monitors (TensorBoard): rank 0 writes
         monitor.write_events(
@@ -349,6 +381,7 @@ def summarize(run: Session, stats: RunStats, pos: Position, last_tag: str | None
         "loss_scale": loss_scale(run),
         "skipped_steps": skipped_steps(run),
         "last_checkpoint": last_tag,
+        "save_s": [round(s, 3) for s in stats.saves],  # each checkpoint save, seconds on rank 0
     }
 
 

@@ -69,6 +69,9 @@ class StepRecord:
     skipped: bool = False  # fp16 overflow: DeepSpeed skipped this optimizer step
     loss_scale: float | None = None  # fp16's dynamic loss scale after this step; None for bf16/fp32
     skipped_steps: int = 0  # fp16 overflow steps skipped so far in the run
+    fwd_bwd_s: float | None = None  # rank 0: forward + backward of the step's micro-steps (trainer.loop.StepParts)
+    optimizer_s: float | None = None  # rank 0: engine.step() calls (CPU Adam, parameter copy back)
+    save_s: float | None = None  # checkpoint saves since the previous record, seconds
     time: float = field(default_factory=time.time)
 
     def line(self, max_steps: int) -> str:

@@ -40,9 +40,14 @@ def follow_to_end(
     from provision.flows.cluster import after_run
 
     try:
-        job.fetch_results(run, say)  # `gpuctl report` works after `down`
+        results = job.fetch_results(run, say)  # `gpuctl report` works after `down`
     except RemoteError as exc:  # a node that deleted itself right after writing its end
         say(f"warning: the run's result files were not copied ({exc.message}); `gpuctl report` lacks them")
+    else:
+        from provision.estimate.forecast import results_comparison
+
+        for line in results_comparison(results):
+            say(line)
     after_run(cfg, run, say)
     return job.exit_code_of(status)
 
@@ -96,7 +101,15 @@ def train(
         refuse_failed(cluster)
     if backend(cluster.provider).terminates_nodes:
         say(teardown_text(cfg))
+    from provision.estimate.forecast import say_forecast
+
+    model = say_forecast(cfg, cluster, say)
     run = job.start_run(cfg, cluster, resume=resume_tag, say=say)
+    if model is not None:
+        from provision.core.state import state_dir
+        from provision.estimate.forecast import save_prediction
+
+        save_prediction(state_dir() / "results" / run.run_id, model)
     if detach:
         typer.echo(run.run_id)
         return

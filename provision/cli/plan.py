@@ -78,25 +78,54 @@ def plan(
         from provision.core.config import TrainConfig
 
         checkpoint_every = (cfg.train if cfg else TrainConfig()).checkpoint_every
-    cost = _save_cost(result, cfg, checkpoint_every, upload_mbps, strategy)
+    step = _step_model(result, cfg, checkpoint_every, gpu)
+    save = next(t for t in step.terms if t.name == "checkpoint")  # the saves' pace: steps without them
+    cost = _save_cost(
+        result, cfg, checkpoint_every, upload_mbps, strategy, (step.fast_s - save.fast_s, step.slow_s - save.slow_s)
+    )
     if strategy == "fsdp":
-        _plan_fsdp(result, as_json, cost)
+        _plan_fsdp(result, as_json, cost, step)
         return
     from provision.estimate.checkpoint_cost import cost_to_json
+    from provision.estimate.step_time import model_to_json
 
     if as_json:
-        typer.echo(json.dumps(plan_to_json(result) | {"checkpoint": cost_to_json(cost)}, indent=2))
+        out = plan_to_json(result) | {"checkpoint": cost_to_json(cost), "step_time": model_to_json(step)}
+        typer.echo(json.dumps(out, indent=2))
         return
     from rich.console import Console
 
+    from provision.cli.step_view import print_step
     from provision.cli.views import plan_table
 
     console = Console()
     console.print(plan_table(result))
     _print_cost(console, cost)
+    print_step(console, step, cfg.train.max_steps if cfg else None)
 
 
-def _save_cost(result: Any, cfg: GpuctlConfig | None, every: int, mbps: float | None, strategy: str) -> Any:
+def _step_model(result: Any, cfg: GpuctlConfig | None, checkpoint_every: int, gpu_flag: str | None) -> Any:
+    """The step-time model: with the config's cluster recorded (and no --gpu), its nodes' kind and the rates
+    its last `gpuctl doctor` measured; else GPUs at the tables' rates."""
+    from provision.estimate.step_time import predict
+
+    accelerator, rates = "cuda", None
+    if cfg is not None and gpu_flag is None:
+        from provision.core import state
+
+        rec = state.find_cluster(cfg.cluster_name)
+        if rec is not None and rec.nodes:
+            accelerator = rec.nodes[0].accelerator
+            rates = rec.doctor.rates if rec.doctor is not None else None
+    max_steps = cfg.train.max_steps if cfg else None
+    return predict(
+        result, accelerator=accelerator, doctor=rates, checkpoint_every=checkpoint_every, max_steps=max_steps
+    )
+
+
+def _save_cost(
+    result: Any, cfg: GpuctlConfig | None, every: int, mbps: float | None, strategy: str, step_s: tuple[float, float]
+) -> Any:
     """The checkpoint cost at --upload-mbps, else at the put throughput the cluster's last doctor measured."""
     from provision.estimate.checkpoint_cost import checkpoint_cost, measured_put_mbps
 
@@ -108,7 +137,7 @@ def _save_cost(result: Any, cfg: GpuctlConfig | None, every: int, mbps: float | 
         if rec is not None and rec.doctor is not None:
             mbps = measured_put_mbps(rec.doctor.rows)
             source = f"measured by `gpuctl doctor` on cluster {rec.name} (storage put)"
-    return checkpoint_cost(result, every, mbps, source, strategy)
+    return checkpoint_cost(result, every, mbps, source, strategy, step_s)
 
 
 def _print_cost(console: Any, cost: Any) -> None:
@@ -132,16 +161,22 @@ def _print_cost(console: Any, cost: Any) -> None:
         console.print(f"[yellow]warning: {cost.warning()}[/]")
 
 
-def _plan_fsdp(result: Any, as_json: bool, cost: Any) -> None:
+def _plan_fsdp(result: Any, as_json: bool, cost: Any, step: Any) -> None:
     """FSDP2's per-rank figures (provision.estimate.fsdp) beside DeepSpeed's, and which fits better."""
     from provision.estimate.checkpoint_cost import cost_to_json
     from provision.estimate.fsdp import fsdp_memory, fsdp_to_json
     from provision.estimate.plan import plan_to_json
+    from provision.estimate.step_time import model_to_json
 
     fsdp = fsdp_memory(result.input)
     figures = fsdp_to_json(result, fsdp)
     if as_json:
-        out = plan_to_json(result) | {"strategy": "fsdp", "fsdp": figures, "checkpoint": cost_to_json(cost)}
+        out = plan_to_json(result) | {
+            "strategy": "fsdp",
+            "fsdp": figures,
+            "checkpoint": cost_to_json(cost),
+            "step_time": model_to_json(step),
+        }
         typer.echo(json.dumps(out, indent=2))
         return
     from rich.console import Console
@@ -175,6 +210,9 @@ def _plan_fsdp(result: Any, as_json: bool, cost: Any) -> None:
     console.print(node_table(result))
     console.print(f"better for this config: [bold]{figures['better_strategy']}[/] ({figures['why']})")
     _print_cost(console, cost)
+    from provision.cli.step_view import print_step
+
+    print_step(console, step, step.max_steps)
 
 
 def plan_defaults(cfg: GpuctlConfig | None) -> dict[str, Any]:

@@ -34,6 +34,23 @@ def _report_input(run_id: str | None) -> RunReportInput:
     )
 
 
+def _predictions(run_ids: list[str | None]) -> str:
+    """Per run that `train` predicted: predicted vs measured per part (provision/estimate/forecast.py)."""
+    from provision.core import state
+    from provision.estimate.forecast import results_comparison
+    from provision.flows import job
+
+    out = ""
+    for run_id in run_ids:
+        record = state.load_run(run_id)
+        lines = results_comparison(job.fetch_results(record))
+        if lines:
+            out += (
+                f"\n### {record.run_id}: predicted vs measured (mean per step)\n\n```\n" + "\n".join(lines) + "\n```\n"
+            )
+    return out
+
+
 @app.command()
 def report(
     runs: Annotated[Optional[list[str]], typer.Argument(help="run ids (default: the newest)")] = None,
@@ -50,7 +67,7 @@ def report(
     inputs = [_report_input(r) for r in run_ids]
     base = _report_input(baseline) if baseline else None
     output.mkdir(parents=True, exist_ok=True)
-    markdown = report_markdown(inputs, baseline=base)
+    markdown = report_markdown(inputs, baseline=base) + _predictions(run_ids)
     (output / "report.md").write_text(markdown)
     png = report_png(inputs + ([base] if base else []), output / "report.png")
     typer.echo(markdown)

@@ -200,7 +200,7 @@ def plan_table(result: PlanResult) -> RenderableType:
         table.add_row(label, f"{gb:.2f}")
     style = "bold " + ("green" if ok else "red")
     table.add_row("total", f"{mem.total_gb:.2f} / {result.gpu_capacity_gb:g}", style=style)
-    table.add_row("tokens/s", f"{result.tokens_per_s_low:,.0f}-{result.tokens_per_s_high:,.0f}")
+    table.add_row("tokens/s, compute only", f"{result.tokens_per_s_low:,.0f}-{result.tokens_per_s_high:,.0f}")
     verdict = Text("FITS" if ok else "DOES NOT FIT", style=style)
     return Group(table, node_table(result), verdict, *(Text(f"- {line}") for line in result.why))
 

@@ -8,7 +8,7 @@ doctor run has a failing row, unless --force.
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -30,6 +30,8 @@ class DoctorResult(BaseModel):
     at: float = Field(default_factory=time.time)
     quick: bool = True
     rows: list[CheckRow] = Field(default_factory=list)
+    # per node host: the step-time model's figures the doctor measured (provision/estimate/doctor_speed.py)
+    rates: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
     def failing(self) -> list[CheckRow]:
         return [r for r in self.rows if r.status == "fail"]

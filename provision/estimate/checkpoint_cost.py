@@ -123,14 +123,16 @@ def checkpoint_cost(
     upload_mbps: float | None = None,
     upload_source: str = "",
     strategy: str = "deepspeed",
+    step_s: tuple[float, float] | None = None,
 ) -> CheckpointCost:
-    """The cost of one save for this plan; upload_mbps None: DEFAULT_UPLOAD_MBPS (assumed)."""
+    """The cost of one save for this plan; upload_mbps None: DEFAULT_UPLOAD_MBPS (assumed). step_s: the step
+    time's range (provision/estimate/step_time.py); None: plan's compute-only MFU band."""
     if upload_mbps is None:
         upload_mbps, upload_source = DEFAULT_UPLOAD_MBPS, "assumed (pass --upload-mbps, or run `gpuctl doctor`)"
     node, store = save_bytes(result, strategy)
     inp = result.input
     tokens = inp.micro_batch * inp.grad_accum * inp.total_gpus * inp.seq_len
-    fast, slow = (tokens / result.tokens_per_s_high, tokens / result.tokens_per_s_low)
+    fast, slow = step_s or (tokens / result.tokens_per_s_high, tokens / result.tokens_per_s_low)
     return CheckpointCost(
         strategy=strategy,
         node_bytes=node,

@@ -257,6 +257,7 @@ def judge(
 ) -> list[CheckRow]:
     """Every row for one node, in the table's order."""
     from provision.estimate.doctor_gpu import gpu_rows, slowest_link
+    from provision.estimate.doctor_speed import speed_rows
 
     out = Rows(node)
     host_rows(out, facts, needs, clock_offset)
@@ -264,4 +265,5 @@ def judge(
     software_rows(out, facts, needs)
     allreduce_rows(out, facts, needs, slowest_link(facts))
     storage_rows(out, facts, needs)
+    speed_rows(out, facts, needs)
     return out.rows

@@ -74,20 +74,13 @@ def explain(r: PlanResult) -> list[str]:
     lines += host_lines(r)
     peak = r.gpu.peak_tflops_fp32 if w == 4 else r.gpu.peak_tflops_16bit
     lines.append(
-        f"Throughput: {n} x {peak:g} TFLOP/s x {inp.mfu_low:.0%}-{inp.mfu_high:.0%} / "
+        f"Compute only: {n} x {peak:g} TFLOP/s x {inp.mfu_low:.0%}-{inp.mfu_high:.0%} / "
         f"({r.flops_per_token / p:.0f} x params) FLOPs per token"
         f"{' (6 + 2 recompute)' if inp.gradient_checkpointing else ''} = "
         f"{r.tokens_per_s_low:,.0f}-{r.tokens_per_s_high:,.0f} tokens/s "
-        f"(FLOP ceiling {r.flop_ceiling_tokens_per_s:,.0f}; peak: {r.gpu.source})."
+        f"(FLOP ceiling {r.flop_ceiling_tokens_per_s:,.0f}; peak: {r.gpu.source}); the step-time table below "
+        "adds the gradient reduction, offload traffic, the optimizer step and the saves."
     )
-    if n > 1 and inp.zero_stage >= 1:
-        every = "micro-step" if inp.zero_stage >= 2 else "optimizer step"
-        lines.append(
-            f"Not modelled: every {every} reduces {w * p / GB:.1f} GB of gradients across ranks"
-            f"{' (RTX 4090: PCIe only, no P2P)' if 'RTX' in r.gpu.name else ''}"
-            f"{' and the CPU Adam step' if inp.offload_optimizer == 'cpu' else ''}; "
-            "these can pull throughput below the range."
-        )
     if inp.precision == "fp16" and r.gpu.bf16:
         lines.append(
             f"Precision: {r.gpu.name} runs bf16 at the same peak as fp16, without loss scaling or skipped steps "

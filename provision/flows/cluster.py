@@ -109,6 +109,9 @@ def _quick_checks(cfg: GpuctlConfig, record: state.ClusterRecord, opts: UpOption
         raise ChecksFailed(result, record.name)
     counts = result.counts()
     opts.say(f"quick checks: {counts['pass']} pass, {counts['warn']} warn (`gpuctl doctor` for the table)")
+    from provision.estimate.forecast import say_forecast
+
+    say_forecast(cfg, state.find_cluster(record.name) or record, opts.say)
 
 
 def _start_guard(record: state.ClusterRecord, provider: ProviderBackend, opts: UpOptions) -> None:

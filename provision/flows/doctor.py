@@ -21,7 +21,7 @@ from typing import Any
 
 from provision.core import state
 from provision.core.checks import CheckRow, DoctorResult
-from provision.core.config import GpuctlConfig
+from provision.core.config import GpuctlConfig, TrainConfig
 from provision.core.errors import ConfigError, GpuctlError, RemoteError
 from provision.core.provider_config import CloudProvider
 from provision.estimate.doctor import Needs, judge
@@ -32,6 +32,7 @@ QUICK_TIMEOUT_S = 180  # importing torch and DeepSpeed on a busy node
 FULL_TIMEOUT_S = 900  # a first CPU Adam build takes minutes
 ALLREDUCE_MB = 32
 STORAGE_MB = 64
+DISK_MB = {True: 64, False: 512}  # quick (`up`) / full: bytes written + fsync'd for the disk's write rate
 
 
 def needs_of(cfg: GpuctlConfig, cluster: state.ClusterRecord, node: state.NodeRecord, quick: bool) -> Needs:
@@ -61,7 +62,29 @@ def needs_of(cfg: GpuctlConfig, cluster: state.ClusterRecord, node: state.NodeRe
     )
 
 
-def _request(cfg: GpuctlConfig, node: state.NodeRecord, needs: Needs, quick: bool) -> dict[str, Any]:
+def rates_request(train: TrainConfig, world: int) -> dict[str, Any] | None:
+    """What trainer.doctor_rates times for the step-time model: the run's model shape (when plan knows it),
+    batch geometry and precision, and a rank's share of the parameters for CPU Adam."""
+    import dataclasses
+
+    from provision.estimate.hardware import KNOWN_MODELS
+
+    dims = KNOWN_MODELS.get(train.model)
+    if dims is None:
+        return None
+    return {
+        "model": {k: v for k, v in dataclasses.asdict(dims).items() if k != "name"},
+        "micro_batch": train.micro_batch,
+        "seq_len": train.seq_len,
+        "precision": train.precision,
+        "checkpointing": train.gradient_checkpointing,
+        "zero_stage": train.zero_stage,
+        "strategy": train.strategy,
+        "adam_params": -(-dims.params // world) if train.offload_optimizer == "cpu" else None,
+    }
+
+
+def _request(cfg: GpuctlConfig, node: state.NodeRecord, needs: Needs, quick: bool, world: int = 1) -> dict[str, Any]:
     return {
         "quick": quick,
         "ranks": node.slots,
@@ -72,6 +95,8 @@ def _request(cfg: GpuctlConfig, node: state.NodeRecord, needs: Needs, quick: boo
         "env": needs.rank_env,
         "allreduce_mb": ALLREDUCE_MB,
         "storage_mb": STORAGE_MB,
+        "disk_mb": DISK_MB[quick],
+        "rates": None if quick else rates_request(cfg.train, world),
     }
 
 
@@ -136,13 +161,20 @@ def _ship(staging: Path) -> None:
 
 
 def check_node(
-    cfg: GpuctlConfig, cluster: state.ClusterRecord, rec: state.NodeRecord, node: Node, staging: Path, quick: bool
+    cfg: GpuctlConfig,
+    cluster: state.ClusterRecord,
+    rec: state.NodeRecord,
+    node: Node,
+    staging: Path,
+    quick: bool,
+    rates: dict[str, Any] | None = None,
 ) -> list[CheckRow]:
+    """The node's rows; with `rates`, also the step-time model's figures it measured, under its host."""
     from provision.core.credentials import storage_credentials
 
     needs = needs_of(cfg, cluster, rec, quick)
     folder = f"{rec.workdir.rstrip('/')}/doctor"
-    request = _request(cfg, rec, needs, quick)
+    request = _request(cfg, rec, needs, quick, sum(n.slots for n in cluster.nodes))
     try:  # the run's own credentials, resolved here as `train` resolves them
         request["storage_env"] = storage_credentials(cfg.storage, cfg.train.data).env
         no_credentials = None
@@ -165,6 +197,10 @@ def check_node(
         ]
     if no_credentials:
         facts["storage"] = no_credentials
+    if rates is not None:
+        from provision.estimate.doctor_speed import raw_rates
+
+        rates[rec.host] = raw_rates(facts)
     return judge(rec.host, facts, needs, offset)
 
 
@@ -179,11 +215,12 @@ def run_checks(
     say(f"checking {len(cluster.nodes)} node(s) of {cluster.name}" + (" (quick)" if quick else ""))
     nodes = backend(cluster.provider).nodes(cluster)
     rows: list[CheckRow] = []
+    rates: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="gpuctl-doctor-") as tmp:
         _ship(Path(tmp))
         try:
             for rec, node in zip(cluster.nodes, nodes, strict=True):
-                rows += check_node(cfg, cluster, rec, node, Path(tmp), quick)
+                rows += check_node(cfg, cluster, rec, node, Path(tmp), quick, rates)
             if not quick and len(nodes) > 1:  # the package is on every node now
                 from provision.flows.doctor_internode import internode_check
 
@@ -192,7 +229,10 @@ def run_checks(
         finally:
             for node in nodes:
                 node.close()
-    result = DoctorResult(quick=quick, rows=rows)
+    previous = cluster.doctor.rates if cluster.doctor is not None else {}
+    if quick:  # `up`'s quick checks measure the disk only: a full doctor's other figures stay
+        rates = {host: {**previous.get(host, {}), **mine} for host, mine in rates.items()}
+    result = DoctorResult(quick=quick, rows=rows, rates=rates)
     state.update_cluster(cluster.name, doctor=result)
     return result
 

@@ -85,6 +85,7 @@ class NodeSummary(Record):
     loss_scale: Figure | None = None
     skipped_steps: Count | None = None
     last_checkpoint: Text | None = None
+    save_s: Annotated[list[Seconds], Field(max_length=100_000)] | None = None
     error: LongText | None = None
 
 
@@ -103,6 +104,9 @@ class NodeMetric(Record):
     skipped: bool = False
     loss_scale: Figure | None = None
     skipped_steps: Count = 0
+    fwd_bwd_s: Figure | None = None
+    optimizer_s: Figure | None = None
+    save_s: Figure | None = None
     time: Epoch | None = None
 
 
