@@ -1,5 +1,6 @@
-"""README's "Your first cloud run", run as written: each vendor's bash block is parsed out of the README (so
-the section cannot go stale) and its commands run against the fake vendor APIs (tests/fakes/) and moto's
+"""The docs' "Your first cloud run" (docs/first-cloud-run.md), run as written: each vendor's bash block is
+parsed out of the page (so the page cannot go stale; the README's cloud example is the Vast.ai block,
+tests/test_docs.py) and its commands run against the fake vendor APIs (tests/fakes/) and moto's
 S3: `gpuctl init --provider ... --storage s3://...`, `offers`, `up`, `train`, `ckpt pull --hf`. The run trains,
 the final checkpoint lands in the bucket, and the instance is gone without `gpuctl down`.
 
@@ -32,13 +33,12 @@ BUCKET = "my-gpuctl-bucket"
 KEY_VARS = {"Vast.ai": "VAST_API_KEY", "RunPod": "RUNPOD_API_KEY", "AWS": "AWS_PROFILE"}
 
 
-def readme_commands(vendor: str) -> list[str]:
-    """The bash block of the vendor's part of README's "Your first cloud run", one command a line."""
-    text = (REPO / "README.md").read_text()
-    section = text.split("\n## Your first cloud run\n", 1)[1].split("\n## ", 1)[0]
-    part = section.split(f"\n### {vendor}\n", 1)[1].split("\n### ", 1)[0]
+def guide_commands(vendor: str) -> list[str]:
+    """The bash block of the vendor's part of docs/first-cloud-run.md, one command a line."""
+    text = (REPO / "docs" / "first-cloud-run.md").read_text()
+    part = text.split(f"\n## {vendor}\n", 1)[1].split("\n## ", 1)[0]
     block = re.search(r"```bash\n(.*?)```", part, re.S)
-    assert block, f"README: no bash block under ### {vendor}"
+    assert block, f"docs/first-cloud-run.md: no bash block under ## {vendor}"
     return [line.strip() for line in block[1].splitlines() if line.strip()]
 
 
@@ -90,12 +90,12 @@ def vendor_api(request, sshd, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("vendor_api", ["Vast.ai", "RunPod"], indirect=True)
-def test_the_readme_block_trains_stores_the_checkpoint_and_the_instance_is_gone(
+def test_the_guide_block_trains_stores_the_checkpoint_and_the_instance_is_gone(
     request, project, gpuctl, vendor_api, s3, state_dir
 ):
     vendor = request.node.callspec.params["vendor_api"]
     fake = vendor_api
-    init, offers, up, train, pull = setup_lines(readme_commands(vendor), vendor, s3)
+    init, offers, up, train, pull = setup_lines(guide_commands(vendor), vendor, s3)
     assert (
         init == f"gpuctl init --provider {'vast' if vendor == 'Vast.ai' else 'runpod'} --storage s3://{BUCKET}/gpuctl"
     )
@@ -131,7 +131,7 @@ def test_the_aws_block_starts_as_written(project, gpuctl, s3_env, monkeypatch, t
 
     from tests.helpers import free_port
 
-    commands = readme_commands("AWS")
+    commands = guide_commands("AWS")
     assert commands[0].startswith("export AWS_PROFILE=") and commands[1] == f"aws s3 mb s3://{BUCKET}"
     init, offers, up, train, pull = commands[2:]
     assert (up, train, pull) == ("gpuctl up", "gpuctl train", "gpuctl ckpt pull --hf ./deepseek-7b-hf")

@@ -57,31 +57,61 @@ class UniqueKeyLoader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML ships no
 class TrainConfig(Strict):
     """What to train and how. train_batch_size = micro_batch x grad_accum x world size."""
 
-    strategy: Strategy = Field(default="deepspeed", description="deepspeed (ZeRO) or fsdp (PyTorch FSDP2)")
-    model: str = Field(default="tiny", description="'tiny' (CPU-sized DeepSeek shape), an HF id, or a local path")
-    tokenizer: str | None = Field(default=None, description="default: the model's own")
-    data: str = Field(default="sample", description="'sample' (shipped), or a .txt/.jsonl/.parquet path")
-    seq_len: int = Field(default=128, ge=8, le=131072)
-    micro_batch: int = Field(default=1, ge=1, le=4096)
-    grad_accum: int = Field(default=4, ge=1, le=4096)
-    train_batch_size: int | None = Field(default=None, ge=1, le=1 << 30, description="optional; must equal the product")
-    precision: Literal["fp16", "bf16", "fp32"] = "fp32"
-    zero_stage: int = Field(default=2, ge=0, le=3)
-    offload_optimizer: Literal["none", "cpu"] = "cpu"
-    lr: float = Field(default=1e-3, gt=0, le=1)
-    warmup_steps: int = Field(default=0, ge=0, le=MAX_STEPS)
-    weight_decay: float = Field(default=0.0, ge=0, le=100)
-    grad_clip: float = Field(default=1.0, ge=0, le=1e6)
-    max_steps: int = Field(default=30, ge=1, le=MAX_STEPS)
-    checkpoint_every: int = Field(default=10, ge=0, le=MAX_STEPS, description="0 = only at the end")
-    keep_local: int = Field(default=2, ge=1, le=1000, description="checkpoints kept on the node's disk")
-    seed: int = Field(default=1234, ge=0, le=2**32 - 1)  # numpy and torch seeds
-    gradient_checkpointing: bool = False
-    log_every: int = Field(default=1, ge=1, le=MAX_STEPS)
+    strategy: Strategy = Field(
+        default="deepspeed",
+        description="deepspeed (ZeRO, ds_config.json) or fsdp (PyTorch FSDP2 under torchrun); see Strategies",
+    )
+    model: str = Field(
+        default="tiny",
+        description='"tiny" (a CPU-sized DeepSeek-shaped Llama), an HF model id, or a local model folder',
+    )
+    tokenizer: str | None = Field(
+        default=None,
+        description="tokenizer id or folder; null = the model's own (tiny: a byte-level one built offline)",
+    )
+    data: str = Field(
+        default="sample",
+        description='"sample" (shipped with gpuctl), a .txt / .jsonl / .parquet path relative to this file, or s3://bucket/key.jsonl',
+    )
+    seq_len: int = Field(default=128, ge=8, le=131072, description="tokens per packed training sequence")
+    micro_batch: int = Field(default=1, ge=1, le=4096, description="sequences per rank per micro-step")
+    grad_accum: int = Field(default=4, ge=1, le=4096, description="micro-steps per optimizer step")
+    train_batch_size: int | None = Field(
+        default=None, ge=1, le=1 << 30, description="optional check: must equal micro_batch x grad_accum x ranks"
+    )
+    precision: Literal["fp16", "bf16", "fp32"] = Field(
+        default="fp32",
+        description="fp16 is the RTX 4090 choice (DeepSpeed only); bf16 where the GPU has it; fp32 on CPU",
+    )
+    zero_stage: int = Field(
+        default=2, ge=0, le=3, description="ZeRO stage; 2 partitions gradients and optimizer states across ranks"
+    )
+    offload_optimizer: Literal["none", "cpu"] = Field(
+        default="cpu", description="cpu: keep the optimizer states (and the Adam step) in host RAM"
+    )
+    lr: float = Field(
+        default=1e-3,
+        gt=0,
+        le=1,
+        description="learning rate (AdamW): constant with warmup_steps 0, else linear warmup from 0 then "
+        "linear decay to 0 at max_steps",
+    )
+    warmup_steps: int = Field(default=0, ge=0, le=MAX_STEPS, description="linear warmup steps (at most max_steps)")
+    weight_decay: float = Field(default=0.0, ge=0, le=100, description="AdamW weight decay")
+    grad_clip: float = Field(default=1.0, ge=0, le=1e6, description="gradient norm clipping; 0 disables")
+    max_steps: int = Field(default=30, ge=1, le=MAX_STEPS, description="optimizer steps to train")
+    checkpoint_every: int = Field(
+        default=10, ge=0, le=MAX_STEPS, description="save (and sync to storage) every N steps; 0 = only at the end"
+    )
+    keep_local: int = Field(default=2, ge=1, le=1000, description="checkpoints kept on the node's disk once synced")
+    seed: int = Field(default=1234, ge=0, le=2**32 - 1, description="model init and data order")
+    gradient_checkpointing: bool = Field(
+        default=False, description="recompute activations in backward: less memory, ~1/3 more compute"
+    )
+    log_every: int = Field(default=1, ge=1, le=MAX_STEPS, description="log a line every N steps")
     tensorboard: bool = Field(
         default=False,
-        description="DeepSpeed's TensorBoard monitor -> <run dir>/tensorboard/ "
-        "(needs the tensorboard package on the node)",
+        description="DeepSpeed's TensorBoard monitor -> <run dir>/tensorboard/ (needs `pip install tensorboard` on the node)",
     )
 
     @model_validator(mode="after")
@@ -93,15 +123,19 @@ class TrainConfig(Strict):
 
 
 class StorageConfig(Strict):
-    url: str = Field(default="./gpuctl-storage", description="file:///abs, a path, or s3://bucket/prefix")
-    endpoint_url: str | None = Field(default=None, description="S3-compatible endpoint (R2, MinIO)")
-    region: str | None = None
-    profile: str | None = Field(default=None, description="AWS profile on the laptop")
+    url: str = Field(
+        default="./gpuctl-storage",
+        description="where checkpoints go: a path (relative to this file), file:///abs/path, or s3://bucket/prefix",
+    )
+    endpoint_url: str | None = Field(default=None, description="S3-compatible endpoint (R2, MinIO, ...); null = AWS")
+    region: str | None = Field(default=None, description="the store's region; default boto3's")
+    profile: str | None = Field(
+        default=None, description="AWS profile on the laptop; credentials come from boto3's usual chain"
+    )
     keep: int = Field(default=3, ge=1, le=1000, description="newest complete checkpoints kept in the store")
     node_local: bool = Field(
         default=False,
-        description="a path or file:// url with a rented node: the checkpoints stay on the node's disk and go "
-        "with it; true says you accept that (else `up` and `train` refuse it)",
+        description="true: a path or file:// url on a rented node is fine with you (the checkpoints go with the node); else `up` and `train` refuse it",
     )
 
     @field_validator("url")
@@ -120,35 +154,52 @@ class DockerConfig(Strict):
 
     ship: Literal["auto", "pull", "load", "build"] = Field(
         default="auto",
-        description="pull: from the registry; load: docker save | ssh | docker load of the "
-        "laptop's copy; build: build on the node; auto: load when the laptop has the image, else pull",
+        description="how the image reaches the node: pull (registry; login from GPUCTL_REGISTRY_USER and GPUCTL_REGISTRY_PASSWORD), load (stream the laptop's copy over SSH), build (on the node), auto (load when the laptop has the image, else pull). A node that has it already is skipped",
     )
-    shm_size: str = Field(default="16g", pattern=r"^[0-9]+[bkmgBKMG]?$", description="docker run --shm-size")
+    shm_size: str = Field(
+        default="16g",
+        pattern=r"^[0-9]+[bkmgBKMG]?$",
+        description="shared memory for the container (docker run --shm-size)",
+    )
     ulimits: list[str] = Field(
         default=["memlock=-1", "stack=67108864"],
-        description="docker run --ulimit values (NVIDIA's recommendation for training)",
+        description="docker run --ulimit values; memlock=-1 needs a host that lets root raise its hard limit",
     )
-    mounts: list[str] = Field(default_factory=list, description="extra docker run -v SRC:DST[:ro]")
-    run_args: list[str] = Field(default_factory=list, description="extra docker run arguments")
-    context: str | None = Field(default=None, description="build context (default: gpuctl's own source tree)")
-    dockerfile: str = Field(default="Dockerfile", description="relative to the build context")
+    mounts: list[str] = Field(
+        default_factory=list, description='extra volumes, "SRC:DST[:ro]" (datasets, model caches)'
+    )
+    run_args: list[str] = Field(default_factory=list, description='extra `docker run` arguments, e.g. ["--cpus", "32"]')
+    context: str | None = Field(
+        default=None, description="build context for `gpuctl image build` and ship: build; null = gpuctl's source tree"
+    )
+    dockerfile: str = Field(default="Dockerfile", description="Dockerfile, relative to the context")
 
 
 class GpuctlConfig(Strict):
-    name: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9-]{0,39}$", description="cluster name")
+    name: str | None = Field(
+        default=None,
+        pattern=r"^[a-z0-9][a-z0-9-]{0,39}$",
+        description='cluster name (lowercase, digits, dashes); null = "<provider>-<folder name>"',
+    )
     provider: Provider = Field(default_factory=LocalProvider)
     train: TrainConfig = Field(default_factory=TrainConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
     # unset: after-train on a renting provider (vast, runpod, aws), never on local and ssh (_default_teardown)
-    teardown: Literal["never", "after-train"] = "never"
+    teardown: Literal["never", "after-train"] = Field(
+        default="never",
+        description="after-train: the node deletes itself when the run ends, once the final checkpoint is "
+        "stored. Unset: after-train on vast, runpod and aws (they bill until deleted), never elsewhere",
+    )
     docker: DockerConfig = Field(default_factory=DockerConfig)
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)  # a lost node: core/recovery.py
-    env: dict[str, str] = Field(default_factory=dict, description="extra env for the ranks")
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="extra environment for the training ranks, e.g. NCCL_DEBUG: INFO (not secret: it is in launch.sh)",
+    )
     secrets: list[str] = Field(
         default_factory=list,
         max_length=64,
-        description="names of variables read from the laptop's environment at `train` and given to the "
-        "ranks through the node's 0600 secrets.env only (HF_TOKEN, WANDB_API_KEY): never argv, logs or files",
+        description="names of variables (HF_TOKEN, WANDB_API_KEY) read from this machine's environment at `gpuctl train` and handed to the ranks only through the node's 0600 secrets.env: never in a command line, log, bundle or state file",
     )
 
     # Where the file was read from; relative paths resolve against it.

@@ -26,39 +26,67 @@ class Strict(BaseModel):
 class LocalProvider(Strict):
     """This machine is the node: GPUs when nvidia-smi sees them, else CPU ranks over gloo."""
 
-    kind: Literal["local"] = "local"
-    gpus_per_node: int | None = Field(default=None, ge=1, le=64, description="GPUs to use; None = all visible")
-    cpu_ranks: int = Field(default=3, ge=1, le=64, description="ranks to start when there is no GPU")
-    python: str | None = Field(default=None, description="interpreter with torch+deepspeed; default: gpuctl's own")
+    kind: Literal["local"] = Field(
+        default="local", description="local | ssh | vast | runpod | aws | slurm. local: this machine is the node"
+    )
+    gpus_per_node: int | None = Field(
+        default=None, ge=1, le=64, description="GPUs to use; null = every GPU nvidia-smi sees"
+    )
+    cpu_ranks: int = Field(
+        default=3, ge=1, le=64, description="ranks to start when the machine has no GPU (DeepSpeed on CPU over gloo)"
+    )
+    python: str | None = Field(
+        default=None, description="interpreter with torch + deepspeed + transformers; null = the one gpuctl runs in"
+    )
 
 
 class SSHProvider(Strict):
     """Machines you already have, reached over SSH."""
 
-    kind: Literal["ssh"] = "ssh"
+    kind: Literal["ssh"] = Field(
+        default="ssh",
+        description="local | ssh | vast | runpod | aws | slurm. ssh: machines you already have, reached over SSH",
+    )
     hosts: list[str] = Field(
-        ..., min_length=1, description="user@host:port or a Host alias of ssh_config, one per node"
+        ...,
+        min_length=1,
+        description="one per node: user@host:port, or a Host alias of your ssh config (ProxyJump bastions included)",
     )
-    identity_file: str | None = Field(default=None, description="private key for the hosts")
+    identity_file: str | None = Field(
+        default=None,
+        description="private key for the hosts; null = the alias's IdentityFile, then your ssh-agent and ~/.ssh/id_*",
+    )
     ssh_config: str | None = Field(
-        default=None, description="OpenSSH client config for host aliases and ProxyJump; default ~/.ssh/config"
+        default=None,
+        description="OpenSSH client config the aliases (and their ProxyJump) are looked up in; null = ~/.ssh/config",
     )
-    gpus_per_node: int | None = Field(default=None, ge=1, le=64, description="None = what nvidia-smi reports")
+    gpus_per_node: int | None = Field(
+        default=None, ge=1, le=64, description="GPUs per node; null = what nvidia-smi reports"
+    )
     cpu_ranks: int = Field(default=3, ge=1, le=64, description="ranks per node when a node has no GPU")
-    python: str = Field(default="python3", description="interpreter on the node with torch+deepspeed")
-    setup: str | None = Field(default=None, description="shell command run on the node before each job")
-    runtime: Literal["auto", "docker", "none"] = "auto"
-    image: str | None = Field(default=None, description="container image for runtime docker")
-    connect_timeout: float = Field(default=10, gt=0, le=600)
-    ready_timeout: float = Field(default=120, gt=0, le=3600, description="retry a booting node until then")
+    python: str = Field(default="python3", description="interpreter on the node with torch + deepspeed + transformers")
+    setup: str | None = Field(
+        default=None,
+        description='shell command run on the node before each job (e.g. "source ~/venv/bin/activate"); null = none',
+    )
+    runtime: Literal["auto", "docker", "none"] = Field(
+        default="auto",
+        description="docker runs the launcher in provider.image (auto: when the node has docker and image is set); none: the node's python",
+    )
+    image: str | None = Field(
+        default=None, description="container image for runtime docker (`gpuctl image build`); null = none"
+    )
+    connect_timeout: float = Field(default=10, gt=0, le=600, description="seconds to wait for an SSH connection")
+    ready_timeout: float = Field(
+        default=120, gt=0, le=3600, description="seconds a booting node is retried before `up` gives up"
+    )
     workdir: str | None = Field(
         default=None,
-        description="node folder for run dirs (same path on every node); default <first node's $HOME>/gpuctl",
+        description="node folder for run dirs (same path on every node); null = <first node's $HOME>/gpuctl",
     )
     authorized_keys: str = Field(
         default="~/.ssh/authorized_keys",
-        description="file the nodes' sshd reads keys "
-        "from; with 2+ hosts gpuctl adds the cluster's own key there for pdsh",
+        description="the file the nodes' sshd reads keys from; with 2+ hosts gpuctl adds the cluster's own key there (pdsh)",
     )
 
     @field_validator("hosts")
@@ -77,44 +105,59 @@ class CloudProvider(Strict):
     """Fields shared by the rented-machine providers."""
 
     gpu: str = Field(default="RTX 4090", description="GPU model to rent")
-    gpus_per_node: int = Field(default=3, ge=1, le=16)
-    nodes: int = Field(default=1, ge=1, le=64)
+    gpus_per_node: int = Field(
+        default=3, ge=1, le=16, description="GPUs per node; 3 x RTX 4090 is the target run (batch 1 x 4 x 3 = 12)"
+    )
+    nodes: int = Field(default=1, ge=1, le=64, description="nodes (one machine each)")
     min_ram_gb: float = Field(
         default=128,
         ge=0,
         le=65536,
-        description="host RAM per node; unset: `gpuctl plan`'s per-node figure for this config, at least 128 "
-        "(DeepSeek-7B, ZeRO-2 offload, 3 GPUs: 168)",
+        description="host RAM per node, GB; null = `gpuctl plan`'s figure for this config, at least 128 (DeepSeek-7B, ZeRO-2 with CPU Adam, 3 GPUs: 168)",
     )
     disk_gb: float = Field(
         default=200,
         gt=0,
         le=65536,
-        description="node disk; unset: plan's figure (model download, keep_local + 1 checkpoints, image), at least 200",
+        description="node disk, GB; null = plan's figure (the model download, keep_local + 1 checkpoints, the image), at least 200 (DeepSeek-7B: 325)",
     )
-    max_price: float | None = Field(default=None, gt=0, le=10_000, description="$/h per node ceiling")
+    max_price: float | None = Field(default=None, gt=0, le=10_000, description="$/h per node ceiling; null = any price")
     max_hours: float | None = Field(
-        default=None, gt=0, le=24 * 366, description="node tears itself down after this (hours from `up`)"
+        default=None,
+        gt=0,
+        le=24 * 366,
+        description="budget cap, hours counted from `up`: the node stops the run and deletes itself then, whatever the run is doing; null = no cap",
     )
     max_cost: float | None = Field(
-        default=None, gt=0, le=1_000_000, description="node tears itself down after spending this ($)"
+        default=None,
+        gt=0,
+        le=1_000_000,
+        description="budget cap, dollars: the node stops the run and deletes itself once the cluster has cost this; null = no cap",
     )
-    image: str = Field(default="ghcr.io/gpuctl/trainer:0.1.0", description="container image for the node")
+    image: str = Field(
+        default="ghcr.io/gpuctl/trainer:0.1.0",
+        description="container image the node runs; `gpuctl image build --push` makes it",
+    )
     runtime: Literal["auto", "docker", "image", "none"] = Field(
-        default="auto", description="auto: vast/runpod boot the image, aws runs it with docker"
+        default="auto",
+        description="auto: vast and runpod boot the image itself (image), aws runs it with docker; none: the host's python",
     )
     api_url: str | None = Field(
-        default=None, description="vendor API base (a proxy or test server); default the vendor's"
+        default=None,
+        description="vendor API base (a proxy or a test server); null = the vendor's (https://console.vast.ai, https://api.runpod.io/graphql, EC2's endpoint for the region)",
     )
-    python: str = "python3"
-    ready_timeout: float = Field(default=900, gt=0, le=7200, description="seconds a new node has to answer SSH")
-    workdir: str | None = Field(default=None, description="node folder for run dirs; default $HOME/gpuctl")
+    python: str = Field(
+        default="python3", description="interpreter on the node (the image's venv; on aws without docker, the AMI's)"
+    )
+    ready_timeout: float = Field(
+        default=900, gt=0, le=7200, description='seconds a new node has to answer SSH (a login, not just "running")'
+    )
+    workdir: str | None = Field(default=None, description="node folder for run dirs; null = $HOME/gpuctl")
     cpu_ranks_fallback: int | None = Field(
         default=None,
         ge=1,
         le=64,
-        description="a node that shows no GPU runs this many CPU ranks (test stand-ins); "
-        "None: a node without a visible GPU is an error and is terminated",
+        description="CPU ranks on a node that shows no GPU (test stand-ins only); null = such a node is an error and is terminated",
     )
 
     @model_validator(mode="before")
@@ -133,71 +176,103 @@ class MarketProvider(CloudProvider):
         default=30,
         gt=0,
         le=24 * 60,
-        description="the final checkpoint must upload within this many minutes at the host's advertised "
-        "upload bandwidth: slower hosts are not rented",
+        description="hosts are filtered on their uplink: the final checkpoint (plan's size on node 0; DeepSeek-7B ~97 GB, so >= 430 Mbit/s in 30 min) must reach storage.url within this many minutes; and on a driver that runs the image's CUDA 12.8. `gpuctl offers` shows both",
     )
     min_upload_mbps: float | None = Field(
         default=None,
         ge=0,
         le=1_000_000,
-        description="host upload, Mbit/s; unset: plan's final checkpoint over max_final_upload_min",
+        description="host upload, Mbit/s; null = plan's final checkpoint over max_final_upload_min",
     )
 
 
 class VastProvider(MarketProvider):
-    kind: Literal["vast"] = "vast"
-    reliability: float = Field(default=0.98, ge=0, le=1)
-    verified: bool = True
-    interruptible: bool = False  # bid offers (search type "bid", create with a `price`)
-    bid_per_gpu: float | None = Field(default=None, gt=0, le=1000, description="bid $/h per GPU; default the minimum")
+    kind: Literal["vast"] = Field(
+        default="vast",
+        description="local | ssh | vast | runpod | aws | slurm. vast: Vast.ai, rented by the hour; `gpuctl offers` lists what matches",
+    )
+    gpu: str = Field(default="RTX 4090", description="GPU model to rent (Vast.ai's gpu_name)")
+    reliability: float = Field(default=0.98, ge=0, le=1, description="offer filter: the host's reliability score")
+    verified: bool = Field(default=True, description="offer filter: Vast-verified hosts only")
+    interruptible: bool = Field(
+        default=False, description="true: bid (interruptible) offers, cheaper but preempted when outbid (see Recovery)"
+    )
+    bid_per_gpu: float | None = Field(
+        default=None, gt=0, le=1000, description="bid $/h per GPU; null = the offer's minimum"
+    )
 
 
 class RunPodProvider(MarketProvider):
-    kind: Literal["runpod"] = "runpod"
-    gpu: str = Field(default="NVIDIA GeForce RTX 4090", description="RunPod gpuTypeId")
-    cloud_type: Literal["SECURE", "COMMUNITY", "ALL"] = "ALL"
-    interruptible: bool = False
+    kind: Literal["runpod"] = Field(
+        default="runpod",
+        description="local | ssh | vast | runpod | aws | slurm. runpod: RunPod, rented by the hour; `gpuctl offers` lists what matches",
+    )
+    gpu: str = Field(default="NVIDIA GeForce RTX 4090", description="GPU model to rent (RunPod's gpuTypeId)")
+    cloud_type: Literal["SECURE", "COMMUNITY", "ALL"] = Field(
+        default="ALL", description="RunPod's data-center or community hosts, or the cheaper of both"
+    )
+    interruptible: bool = Field(default=False, description="true: spot pods, cheaper but preempted (see Recovery)")
     bid_per_gpu: float | None = Field(
-        default=None, gt=0, le=1000, description="spot bid $/h per GPU; default the current minimum"
+        default=None, gt=0, le=1000, description="spot bid $/h per GPU; null = the current minimum"
     )
 
 
 class AWSProvider(CloudProvider):
-    kind: Literal["aws"] = "aws"
-    gpu: str = "A10G"
-    gpus_per_node: int = Field(default=4, ge=1, le=16)
-    instance_type: str = "g5.12xlarge"
-    region: str = "us-east-1"
-    ami_name: str = "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) *"
+    kind: Literal["aws"] = Field(
+        default="aws",
+        description="local | ssh | vast | runpod | aws | slurm. aws: EC2, rented by the hour; `gpuctl offers` lists what matches",
+    )
+    gpu: str = Field(
+        default="A10G",
+        description="GPU model of instance_type (EC2 rents no RTX 4090: g5.12xlarge is 4 x A10G, 24 GB each)",
+    )
+    gpus_per_node: int = Field(
+        default=4,
+        ge=1,
+        le=16,
+        description="GPUs per node: the instance type's 4 (batch 1 x 4 x 4 = 16; 3 of them keeps the target's batch 12)",
+    )
+    instance_type: str = Field(default="g5.12xlarge", description="EC2 instance type")
+    region: str = Field(default="us-east-1", description="EC2 region (credentials: boto3's chain, e.g. AWS_PROFILE)")
+    ami_name: str = Field(
+        default="Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) *",
+        description="the newest AMI of this name and ami_owner (unless ami_id pins one)",
+    )
     ami_owner: str = Field(default="amazon", description="describe_images Owners: amazon, self, or an account id")
-    ami_id: str | None = Field(default=None, description="use this AMI instead of looking ami_name up")
+    ami_id: str | None = Field(
+        default=None, description="pin this AMI instead of looking ami_name up; null = look it up"
+    )
     key_name: str | None = Field(
         default=None,
-        description="also let this existing EC2 key pair log in; gpuctl "
-        "itself always uses the cluster's own key (imported, or via user data)",
+        description="also let this existing EC2 key pair log in (gpuctl itself uses the cluster's own key); null = none",
     )
     ssh_user: str = Field(default="ubuntu", description="login user of the AMI")
-    ssh_cidr: str | None = Field(default=None, description="who may reach port 22; default your public IP/32")
+    ssh_cidr: str | None = Field(default=None, description="who may reach port 22; null = your public IP/32")
     price_per_hour: float | None = Field(
         default=None,
         gt=0,
         le=10_000,
-        description="$/h per node for cost and caps; default gpuctl's on-demand table for the type",
+        description="$/h per node for cost and the cap; null = gpuctl's us-east-1 on-demand table",
     )
     disk_throughput_mbps: int | None = Field(
         default=None,
         ge=125,
         le=1000,
-        description="root gp3 volume MiB/s; default sized by plan so a checkpoint writes in 5 minutes",
+        description="root gp3 volume speed, MiB/s; null = sized by plan so one checkpoint writes in 5 minutes (gp3's default 125 MiB/s would block training ~13 minutes per DeepSeek-7B save)",
     )
-    disk_iops: int | None = Field(default=None, ge=3000, le=16000, description="root gp3 volume IOPS; default sized")
+    disk_iops: int | None = Field(
+        default=None, ge=3000, le=16000, description="root gp3 volume IOPS; null = sized with the throughput"
+    )
 
 
 class SlurmProvider(Strict):
     """A Slurm cluster: gpuctl submits, follows and cancels one batch job per run through the login
     node; Slurm schedules. Nothing is held while idle (`up` only checks and records)."""
 
-    kind: Literal["slurm"] = "slurm"
+    kind: Literal["slurm"] = Field(
+        default="slurm",
+        description="local | ssh | vast | runpod | aws | slurm. slurm: one batch job per run on a Slurm cluster",
+    )
     login: str = Field(
         default="local",
         description="`local` when gpuctl runs on the login node, else user@host[:port] or an ssh_config Host alias",
@@ -223,7 +298,7 @@ class SlurmProvider(Strict):
     workdir: str = Field(..., description="folder on the shared filesystem every node sees, for run dirs")
     setup: str | None = Field(default=None, description="shell run on the node before each job (module load, venv)")
     python: str = Field(default="python3", description="interpreter on the nodes with torch+deepspeed")
-    connect_timeout: float = Field(default=10, gt=0, le=600)
+    connect_timeout: float = Field(default=10, gt=0, le=600, description="seconds to wait for the login node")
 
     @field_validator("partition", "account", "qos", "mem", "time", "constraint")
     @classmethod

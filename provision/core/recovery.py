@@ -17,17 +17,17 @@ class RecoveryConfig(BaseModel):
         default=None,
         ge=0,
         le=100,
-        description="new nodes a run may get after losing one; default 3 for interruptible offers, else 0",
+        description="new nodes a run may get; null = 3 for interruptible offers, 0 otherwise (then a lost run is marked lost, its nodes terminated, and gpuctl prints the command that resumes it)",
     )
     lost_after: float = Field(
         default=300,
         ge=10,
         le=86_400,
-        description="seconds a node may be unreachable while its vendor still answers before it counts as lost",
+        description="seconds a node may stay unreachable while its vendor still says running before it is lost",
     )
     exclude_lost_hosts: bool = Field(
         default=True,
-        description="never rent a lost node's host again for this run (vast: machine_id; runpod: the pod's machineId)",
+        description="never rent a lost node's host again for this run (vast: the offer's machine_id; runpod, which picks the machine itself: a new pod on a lost machineId is terminated and asked for again)",
     )
 
     def restarts_allowed(self, interruptible: bool) -> int:

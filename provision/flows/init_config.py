@@ -1,13 +1,16 @@
 """`gpuctl init --provider KIND`: a gpuctl.yaml right for that provider, every key present and commented
-(templates/gpuctl.yaml.j2). On a renting provider it is the target run, DeepSeek-7B as `gpuctl plan` says it
+(templates/gpuctl.yaml.j2, its comments the models'
+Field descriptions). On a renting provider it is the target run, DeepSeek-7B as `gpuctl plan` says it
 fits 24 GB GPUs, with a budget cap, teardown after the run and a bucket placeholder `up` refuses until set."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
 
+from provision.core import config_doc
 from provision.core.config import RENTING, STORAGE_PLACEHOLDER, load_config
 from provision.core.errors import ConfigError
 from provision.flows.render import packaged_templates
@@ -32,7 +35,12 @@ def config_text(kind: str, storage_url: str | None = None) -> str:
     )
     url = storage_url or (STORAGE_PLACEHOLDER if renting else LOCAL_STORAGE)
     return env.get_template("gpuctl.yaml.j2").render(
-        kind=kind, renting=renting, gpus=gpus, batch=4 * gpus, storage_url=_yaml_scalar(url)
+        kind=kind,
+        renting=renting,
+        gpus=gpus,
+        batch=4 * gpus,
+        storage_url=_yaml_scalar(url),
+        doc=functools.partial(config_doc.doc, kind),  # every key's comment: its model's description
     )
 
 
