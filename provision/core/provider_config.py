@@ -9,11 +9,17 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from provision import __version__
+
 # The driver CUDA the trainer image needs: its base and torch build are CUDA 12.8 (Dockerfile's BASE_IMAGE,
 # images/requirements-torch-cuda.txt's `# cuda:` pin; tests/test_init.py keeps the three in agreement).
 # Renting providers rent only hosts whose driver speaks at least this (vast cuda_max_good, runpod
 # allowedCudaVersions): an older driver fails the doctor after the host is rented, still billing.
 IMAGE_CUDA = "12.8"
+# The prebuilt trainer image of this release, derived from the package version (the release
+# workflow, .github/workflows/release.yml, tags what it pushes the same way).
+IMAGE_REPO = "ghcr.io/gpuctl/trainer"
+DEFAULT_IMAGE = f"{IMAGE_REPO}:{__version__}"
 SLURM_WORD = re.compile(r"^[A-Za-z0-9_.:,&|\[\]*=+-]{1,200}$")
 HOST_RE = re.compile(r"^(?:(?P<user>[A-Za-z0-9._-]+)@)?(?P<host>[A-Za-z0-9.:_-]+?)(?::(?P<port>\d{1,5}))?$")
 
@@ -99,9 +105,11 @@ class CloudProvider(Strict):
     max_cost: float | None = Field(
         default=None, gt=0, le=1_000_000, description="node tears itself down after spending this ($)"
     )
-    image: str = Field(default="ghcr.io/gpuctl/trainer:0.1.0", description="container image for the node")
-    runtime: Literal["auto", "docker", "image", "none"] = Field(
-        default="auto", description="auto: vast/runpod boot the image, aws runs it with docker"
+    image: str = Field(default=DEFAULT_IMAGE, description="container image for the node")
+    runtime: Literal["auto", "docker", "image", "bootstrap", "none"] = Field(
+        default="auto",
+        description="auto: vast/runpod boot provider.image, or with none set a vendor PyTorch image and "
+        "install the pinned node side at first boot (bootstrap); aws runs the image with docker",
     )
     api_url: str | None = Field(
         default=None, description="vendor API base (a proxy or test server); default the vendor's"
@@ -128,6 +136,12 @@ class CloudProvider(Strict):
 
 class MarketProvider(CloudProvider):
     """The hosts of a marketplace (vast, runpod) differ in driver and uplink: filter on both."""
+
+    image: str | None = Field(  # type: ignore[assignment]
+        default=None,
+        description="container image for the node; unset: a public vendor PyTorch image, bootstrapped "
+        "(provision/providers/vendor_images.py)",
+    )
 
     max_final_upload_min: float = Field(
         default=30,

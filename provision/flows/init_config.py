@@ -10,6 +10,7 @@ from pathlib import Path
 
 from provision.core.config import RENTING, STORAGE_PLACEHOLDER, load_config
 from provision.core.errors import ConfigError
+from provision.core.provider_config import DEFAULT_IMAGE
 from provision.flows.render import packaged_templates
 
 KINDS = ("local", "ssh", "vast", "runpod", "aws")
@@ -32,7 +33,12 @@ def config_text(kind: str, storage_url: str | None = None) -> str:
     )
     url = storage_url or (STORAGE_PLACEHOLDER if renting else LOCAL_STORAGE)
     return env.get_template("gpuctl.yaml.j2").render(
-        kind=kind, renting=renting, gpus=gpus, batch=4 * gpus, storage_url=_yaml_scalar(url)
+        kind=kind,
+        renting=renting,
+        gpus=gpus,
+        batch=4 * gpus,
+        storage_url=_yaml_scalar(url),
+        default_image=DEFAULT_IMAGE,
     )
 
 
