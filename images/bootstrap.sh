@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# runtime bootstrap: the node side installed over a vendor PyTorch image (provision/flows/bootstrap.py
+# runtime bootstrap: the node side installed over a vendor PyTorch image (provision/providers/bootstrap.py
 # runs this over SSH). A venv with --system-site-packages over the image's python, so the image's
 # torch (CUDA build, ~2-5 GB) is used as it is; the pins (the same images/requirements-*.txt the
 # Dockerfile installs) go into the venv. Idempotent: a venv made from the same pins is kept.

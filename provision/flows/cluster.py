@@ -297,7 +297,7 @@ def planned(cfg: GpuctlConfig) -> state.ClusterRecord:
             runtime="docker" if docker else "none",
             image=prov.image if docker else None,
         )
-    from provision.flows.bootstrap import venv_python
+    from provision.providers.bootstrap import venv_python
     from provision.providers.vendor_images import BOOTSTRAP_IMAGES, boot_image
 
     runtime = resolve_runtime(prov.runtime, prov.kind, image=prov.image)

@@ -138,7 +138,7 @@ def resolve_runtime(
     """The runtime to record for a cluster: none | docker | image | bootstrap.
 
     auto: Vast/RunPod -> image when provider.image is set, else bootstrap (a vendor PyTorch image,
-    the node side installed at first boot: flows/bootstrap.py); AWS -> docker; ssh -> docker when an image is configured and
+    the node side installed at first boot: providers/bootstrap.py); AWS -> docker; ssh -> docker when an image is configured and
     the first node answers `docker version`, else none; local -> none.
     """
     if requested in ("image", "bootstrap") and provider_kind not in IMAGE_PROVIDERS:

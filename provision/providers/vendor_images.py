@@ -1,6 +1,6 @@
 """The public PyTorch image a Vast/RunPod node boots under `runtime: bootstrap` (provider.image unset),
 one per vendor, pinned by tag here and nowhere else. Its torch must be the torch that
-images/requirements-torch-cuda.txt pins (the node checks: flows/bootstrap.py), so moving that pin
+images/requirements-torch-cuda.txt pins (the node checks: providers/bootstrap.py), so moving that pin
 means moving these tags.
 
 - vast: `pytorch/pytorch:2.10.0-cuda12.8-cudnn9-devel`, PyTorch's own image on Docker Hub (the base
