@@ -16,8 +16,7 @@ import pytest
 from provision.core.config import GpuctlConfig
 from provision.core.errors import ProviderError
 from provision.core.state import ClusterRecord, NodeRecord
-from provision.providers import bootstrap
-from provision.providers import runpod, vast
+from provision.providers import bootstrap, runpod, vast
 from provision.providers.base import Offer
 from provision.providers.vendor_images import BOOTSTRAP_IMAGES, RUNPOD_START, TORCH_IMAGE
 from provision.transport.remote import LocalNode
