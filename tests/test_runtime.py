@@ -125,6 +125,9 @@ def test_multinode_docker_is_a_clear_error():
         ("none", "aws", True, "x", "none"),
         ("docker", "ssh", False, None, "docker"),
         ("image", "vast", False, "x", "image"),
+        ("auto", "vast", False, None, "bootstrap"),  # no image of ours: the vendor's PyTorch image
+        ("auto", "runpod", False, None, "bootstrap"),
+        ("bootstrap", "vast", False, "x", "bootstrap"),
     ],
 )
 def test_runtime_resolution(requested, kind, docker, image_name, expected):
@@ -134,6 +137,10 @@ def test_runtime_resolution(requested, kind, docker, image_name, expected):
 def test_runtime_image_needs_an_image_provider():
     with pytest.raises(ConfigError, match="vast, runpod"):
         resolve_runtime("image", "ssh")
+    with pytest.raises(ConfigError, match="runtime bootstrap needs .*vast, runpod"):
+        resolve_runtime("bootstrap", "aws", image="x")
+    with pytest.raises(ConfigError, match="needs provider.image"):
+        resolve_runtime("image", "vast", image=None)
 
 
 def test_cloud_provider_runtime_is_configurable():

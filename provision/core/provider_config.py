@@ -9,11 +9,17 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from provision import __version__
+
 # The driver CUDA the trainer image needs: its base and torch build are CUDA 12.8 (Dockerfile's BASE_IMAGE,
 # images/requirements-torch-cuda.txt's `# cuda:` pin; tests/test_init.py keeps the three in agreement).
 # Renting providers rent only hosts whose driver speaks at least this (vast cuda_max_good, runpod
 # allowedCudaVersions): an older driver fails the doctor after the host is rented, still billing.
 IMAGE_CUDA = "12.8"
+# The prebuilt trainer image of this release, derived from the package version (the release
+# workflow, .github/workflows/release.yml, tags what it pushes the same way).
+IMAGE_REPO = "ghcr.io/gpuctl/trainer"
+DEFAULT_IMAGE = f"{IMAGE_REPO}:{__version__}"
 SLURM_WORD = re.compile(r"^[A-Za-z0-9_.:,&|\[\]*=+-]{1,200}$")
 HOST_RE = re.compile(r"^(?:(?P<user>[A-Za-z0-9._-]+)@)?(?P<host>[A-Za-z0-9.:_-]+?)(?::(?P<port>\d{1,5}))?$")
 
@@ -135,12 +141,13 @@ class CloudProvider(Strict):
         description="budget cap, dollars: the node stops the run and deletes itself once the cluster has cost this; null = no cap",
     )
     image: str = Field(
-        default="ghcr.io/gpuctl/trainer:0.1.0",
+        default=DEFAULT_IMAGE,
         description="container image the node runs; `gpuctl image build --push` makes it",
     )
-    runtime: Literal["auto", "docker", "image", "none"] = Field(
+    runtime: Literal["auto", "docker", "image", "bootstrap", "none"] = Field(
         default="auto",
-        description="auto: vast and runpod boot the image itself (image), aws runs it with docker; none: the host's python",
+        description="auto: vast/runpod boot provider.image, or with none set a vendor PyTorch image and "
+        "install the pinned node side at first boot (bootstrap); aws runs the image with docker; none: the host's python",
     )
     api_url: str | None = Field(
         default=None,
@@ -171,6 +178,13 @@ class CloudProvider(Strict):
 
 class MarketProvider(CloudProvider):
     """The hosts of a marketplace (vast, runpod) differ in driver and uplink: filter on both."""
+
+    image: str | None = Field(  # type: ignore[assignment]
+        default=None,
+        description="container image the node boots; null = a public PyTorch image the vendor's hosts cache, "
+        "with the node side installed at first boot (runtime bootstrap); the release's prebuilt image "
+        f"({DEFAULT_IMAGE}, `gpuctl image build --push`) skips that install",
+    )
 
     max_final_upload_min: float = Field(
         default=30,

@@ -49,6 +49,7 @@ class NodeRecord(BaseModel):
     host_id: str | None = None  # the vendor's machine behind the instance (recovery avoids a lost one)
     price_per_hour: float | None = None  # this node's share of the cluster's $/h (cloud)
     workdir: str = ""  # the node-side root for run dirs
+    install_s: float | None = None  # runtime bootstrap: seconds the node-side install took at `up`
     ssh: SSHRoute | None = None  # ~/.ssh/config: jump hosts, keys, timeouts (ssh provider)
 
 
@@ -59,7 +60,7 @@ class ClusterRecord(BaseModel):
     nodes: list[NodeRecord]
     price_per_hour: float | None = None  # all nodes together
     image: str | None = None
-    runtime: str = "none"  # none | docker | image
+    runtime: str = "none"  # none | docker | image | bootstrap
     python: str = "python3"
     identity_file: str | None = None  # SSH private key for the nodes (None: agent / default keys)
     # Cloud providers: where the vendor API is (api_url override, AWS region) so that `down`

@@ -300,6 +300,10 @@ def planned(cfg: GpuctlConfig) -> state.ClusterRecord:
             runtime="docker" if docker else "none",
             image=prov.image if docker else None,
         )
+    from provision.providers.bootstrap import venv_python
+    from provision.providers.vendor_images import BOOTSTRAP_IMAGES, boot_image
+
+    runtime = resolve_runtime(prov.runtime, prov.kind, image=prov.image)
     nodes = [
         state.NodeRecord(
             host=f"node{i}", slots=prov.gpus_per_node, accelerator="cuda", gpu_name=prov.gpu, workdir="/root/gpuctl"
@@ -310,7 +314,7 @@ def planned(cfg: GpuctlConfig) -> state.ClusterRecord:
         name=cfg.cluster_name,
         provider=prov.kind,
         nodes=nodes,
-        python=prov.python,
-        image=prov.image,
-        runtime=resolve_runtime(prov.runtime, prov.kind),
+        python=venv_python("/root/gpuctl") if runtime == "bootstrap" else prov.python,
+        image=boot_image(prov, prov.kind) if prov.kind in BOOTSTRAP_IMAGES else prov.image,
+        runtime=runtime,
     )

@@ -13,6 +13,7 @@ from pathlib import Path
 from provision.core import config_doc
 from provision.core.config import RENTING, STORAGE_PLACEHOLDER, load_config
 from provision.core.errors import ConfigError
+from provision.core.provider_config import DEFAULT_IMAGE
 from provision.flows.render import packaged_templates
 
 KINDS = ("local", "ssh", "vast", "runpod", "aws")
@@ -41,6 +42,7 @@ def config_text(kind: str, storage_url: str | None = None) -> str:
         batch=4 * gpus,
         storage_url=_yaml_scalar(url),
         doc=functools.partial(config_doc.doc, kind),  # every key's comment: its model's description
+        default_image=DEFAULT_IMAGE,
     )
 
 

@@ -20,14 +20,14 @@ from typing import ClassVar, Protocol
 
 from provision.core.config import GpuctlConfig
 from provision.core.errors import ConfigError
+from provision.core.provider_config import DEFAULT_IMAGE as DEFAULT_IMAGE  # one place: the package version
 from provision.core.provider_config import CloudProvider
 from provision.core.state import ClusterRecord, NodeRecord
 from provision.transport.remote import Node
 
-RUNTIMES = ("docker", "image", "none")
+RUNTIMES = ("docker", "image", "bootstrap", "none")
 IMAGE_PROVIDERS = ("vast", "runpod")  # the instance is created from the image
 DOCKER_PROVIDERS = ("aws",)  # a VM with a Docker engine (the Deep Learning AMI has one)
-DEFAULT_IMAGE = "ghcr.io/gpuctl/trainer:0.1.0"
 IMAGE_PYTHON = "python"  # the image's venv python, first on its PATH
 # What a node's start-up runs at every start of its container or machine (Vast: onstart; RunPod:
 # images/entrypoint.sh; AWS: a cloud-init per-boot script): the budget guards' boot hook in the
@@ -135,25 +135,28 @@ class ProviderBackend(ABC):
 def resolve_runtime(
     requested: str, provider_kind: str, *, image: str | None = None, has_docker: Callable[[], bool] | None = None
 ) -> str:
-    """The runtime to record for a cluster: none | docker | image.
+    """The runtime to record for a cluster: none | docker | image | bootstrap.
 
-    auto: Vast/RunPod -> image; AWS -> docker; ssh -> docker when an image is configured and
+    auto: Vast/RunPod -> image when provider.image is set, else bootstrap (a vendor PyTorch image,
+    the node side installed at first boot: providers/bootstrap.py); AWS -> docker; ssh -> docker when an image is configured and
     the first node answers `docker version`, else none; local -> none.
     """
-    if requested == "image" and provider_kind not in IMAGE_PROVIDERS:
+    if requested in ("image", "bootstrap") and provider_kind not in IMAGE_PROVIDERS:
         raise ConfigError(
-            f"provider.runtime image needs a provider that creates the node from an image "
+            f"provider.runtime {requested} needs a provider that creates the node from an image "
             f"(vast, runpod), not {provider_kind}",
             "use runtime docker or none",
         )
+    if requested == "image" and not image:
+        raise ConfigError("provider.runtime image needs provider.image", "set provider.image, or runtime: bootstrap")
     if requested != "auto":
         if requested not in RUNTIMES:
             raise ConfigError(
-                f"provider.runtime {requested!r} is not auto, docker, image or none", "fix provider.runtime"
+                f"provider.runtime {requested!r} is not auto, docker, image, bootstrap or none", "fix provider.runtime"
             )
         return requested
     if provider_kind in IMAGE_PROVIDERS:
-        return "image"
+        return "image" if image else "bootstrap"
     if provider_kind in DOCKER_PROVIDERS:
         return "docker"
     if provider_kind == "ssh" and image and has_docker is not None and has_docker():

@@ -1,6 +1,7 @@
 """A new cloud instance becoming a usable node (`up`, and `replace_node` for a new node): the
 vendor says running with an address -> an SSH banner -> a command runs (the login works) -> the
-GPUs are probed. Ready means that, not the vendor saying "running"."""
+GPUs are probed -> under runtime bootstrap, the node side is installed (providers/bootstrap.py).
+Ready means that, not the vendor saying "running"."""
 
 from __future__ import annotations
 
@@ -70,6 +71,10 @@ def wait_ready(
                 say(f"waiting for SSH login: {exc.message}")
                 time.sleep(cloud.POLL_S)
         probe(kind, prov, node, ssh, home, say)
+        if cluster.runtime == "bootstrap":  # the node side over the vendor's PyTorch image
+            from provision.providers.bootstrap import install
+
+            cluster.python = install(ssh, node, prov.python, say)
     finally:
         ssh.close()
 

@@ -43,6 +43,7 @@ from provision.providers.base import (
 )
 from provision.providers.labels import cluster_of, new_labels
 from provision.providers.prices import budget_hours, cluster_cap, not_spent
+from provision.providers.vendor_images import boot_image
 from provision.transport.remote import Node
 from provision.transport.ssh import mesh
 
@@ -182,13 +183,13 @@ class CloudBackend(ProviderBackend):
         if not opts.confirm(f"create {len(picks)} {self.kind} node(s) at ${price:.3f}/h?"):
             raise GpuctlError("not confirmed: nothing was created", "rerun `gpuctl up` and answer y, or pass --yes")
         _private, public_key = mesh.cluster_keypair(cfg.cluster_name)
-        mode = resolve_runtime(prov.runtime, self.kind, image=prov.image)  # vast/runpod: image; aws: docker
+        mode = resolve_runtime(prov.runtime, self.kind, image=prov.image)  # vast/runpod: image|bootstrap; aws: docker
         record = ClusterRecord(
             name=cfg.cluster_name,
             provider=self.kind,
             nodes=[],
             price_per_hour=price,
-            image=prov.image,
+            image=boot_image(prov, self.kind) if mode == "bootstrap" else prov.image,
             runtime=mode,
             api_url=prov.api_url,
             python=IMAGE_PYTHON if mode == "docker" else prov.python,

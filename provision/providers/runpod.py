@@ -55,6 +55,7 @@ from provision.providers.cloud import CloudBackend, Instance, price_of
 from provision.providers.http import ApiRefused, JsonApi, load_key
 from provision.providers.prices import vendor_price
 from provision.providers.teardown import http_teardown, node_last
+from provision.providers.vendor_images import RUNPOD_START, boot_image
 
 API_URL = "https://api.runpod.io/graphql"
 VENDOR = "RunPod"
@@ -211,7 +212,7 @@ class RunPodBackend(CloudBackend):
         assert isinstance(prov, RunPodProvider)
         pod = {
             "name": label,
-            "imageName": prov.image,
+            "imageName": boot_image(prov, "runpod"),  # provider.image, else the pinned PyTorch image
             "gpuTypeId": prov.gpu,
             "gpuCount": prov.gpus_per_node,
             "cloudType": offer.id,
@@ -231,6 +232,8 @@ class RunPodBackend(CloudBackend):
             ],
             "allowedCudaVersions": allowed_cuda(),
         }
+        if not prov.image:  # runtime bootstrap: the vendor PyTorch image has no sshd of its own
+            pod["dockerArgs"] = RUNPOD_START
         if prov.min_upload_mbps and not prov.interruptible:
             pod["minUpload"] = math.ceil(prov.min_upload_mbps)  # Int, Mbit/s
         if prov.interruptible:

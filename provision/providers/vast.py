@@ -42,6 +42,7 @@ from provision.providers.cloud import CloudBackend, Instance, price_of
 from provision.providers.http import ApiNotFound, JsonApi, load_key
 from provision.providers.prices import vendor_price
 from provision.providers.teardown import http_teardown, node_last
+from provision.providers.vendor_images import boot_image
 
 API_URL = "https://console.vast.ai"
 VENDOR = "Vast.ai"
@@ -110,7 +111,7 @@ def search_query(prov: VastProvider) -> dict[str, Any]:
 def create_body(prov: VastProvider, cluster: ClusterRecord, label: str, offer: Offer | None = None) -> dict[str, Any]:
     body = {
         "client_id": "me",
-        "image": prov.image,
+        "image": boot_image(prov, "vast"),  # provider.image, else the pinned PyTorch image (runtime bootstrap)
         "disk": prov.disk_gb,
         "label": label,
         "env": {"GPUCTL_CLUSTER": cluster.name, **workdir_env(prov)},

@@ -49,8 +49,18 @@ def _serve(fake, key_env: str, monkeypatch) -> Iterator[Any]:
 
 def node_fields(tmp: Path, ranks: int = 3) -> dict:
     """Provider fields that make the loopback sshd a usable node: this venv's python, a scratch
-    workdir, and CPU ranks (the stand-in has no GPU: its nvidia-smi is absent)."""
-    return {"python": sys.executable, "workdir": str(tmp / "node"), "cpu_ranks_fallback": ranks, "ready_timeout": 120}
+    workdir, and CPU ranks (the stand-in has no GPU: its nvidia-smi is absent). The stand-in is a
+    node booted from the prebuilt trainer image (this venv has the node side): `image` is set, so
+    runtime auto is `image`, not bootstrap (tests/test_bootstrap.py covers that)."""
+    from provision.core.provider_config import DEFAULT_IMAGE
+
+    return {
+        "python": sys.executable,
+        "workdir": str(tmp / "node"),
+        "cpu_ranks_fallback": ranks,
+        "ready_timeout": 120,
+        "image": DEFAULT_IMAGE,
+    }
 
 
 def saved_run(cluster: str, run_id: str, *, pgid: int = 999999, run_dir: str = "/nowhere") -> Any:
