@@ -105,6 +105,19 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=_start_order)
 
 
+def pytest_collection_finish(session):
+    """On an xdist worker under --dist loadgroup, every grouped test must carry its group in its node id:
+    that suffix is all the scheduler reads. Without it the engines' tests spread over the workers and
+    fight over one engine (pytest 9.2 + xdist 3.8 did that silently; pyproject pins pytest below it)."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    lost = [i.nodeid for i in session.items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+    if lost:
+        raise pytest.UsageError(
+            f"--dist loadgroup: {len(lost)} grouped tests have no group in their id ({lost[0]}); pytest-xdist does not support this pytest: pin pytest as pyproject.toml says"
+        )
+
+
 def _start_order(item) -> int:
     if item.get_closest_marker("xdist_group"):
         return 0
