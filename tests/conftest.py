@@ -94,6 +94,8 @@ def gpuctl(project) -> Gpuctl:
 ONE_WORKER_FIXTURES = {"image_engine": "image-engine", "trainer_image": "image-engine", "slurm_cluster": "slurm"}
 
 
+# tryfirst: xdist reads the groups in its own collection_modifyitems on the worker, so they must be on by then.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         for fixture, group in ONE_WORKER_FIXTURES.items():
