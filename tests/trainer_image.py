@@ -210,15 +210,15 @@ def _pem_blocks(text: str) -> dict[str, str]:
 
 
 def extra_ca_certs() -> str:
-    """PEM of the CAs this machine trusts beyond the public ones ("" when there are none): what a
-    TLS-intercepting proxy needs. Public = certifi's bundle and the distribution's own store
-    (/usr/share/ca-certificates); local additions (/usr/local/share/ca-certificates) remain."""
-    import certifi
-
+    """PEM of the CAs this machine trusts beyond the distribution's own store ("" when there are
+    none): what a TLS-intercepting proxy needs. The distribution's store is /usr/share/ca-certificates;
+    local additions (/usr/local/share/ca-certificates, update-ca-certificates) remain. Not compared with
+    certifi's bundle: a machine behind such a proxy often has its CA patched into the venv's certifi
+    too, and the build's pip has a certifi of its own without it."""
     mine = os.environ.get("PIP_CERT") or os.environ.get("SSL_CERT_FILE") or ssl.get_default_verify_paths().cafile
     if not mine or not Path(mine).is_file():
         return ""
-    known = set(_pem_blocks(Path(certifi.where()).read_text()))
+    known: set[str] = set()
     for crt in Path("/usr/share/ca-certificates").rglob("*.crt"):
         known |= set(_pem_blocks(crt.read_text(errors="replace")))
     return "\n".join(pem for body, pem in _pem_blocks(Path(mine).read_text()).items() if body not in known)
