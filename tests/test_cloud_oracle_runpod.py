@@ -21,6 +21,7 @@ from provision.core.provider_config import RunPodProvider
 from provision.core.state import ClusterRecord
 from provision.providers import runpod as ours
 from provision.providers.base import Offer
+from provision.providers.vendor_images import RUNPOD_START, boot_image
 from tests.fakes.oracle import differences
 from tests.fakes.runpod_api import FakeRunPod
 
@@ -96,7 +97,7 @@ def test_create_pod(fake):
     start = len(fake.ops)
     official.create_pod(
         name=label,
-        image_name=prov.image,
+        image_name=boot_image(prov, "runpod"),  # no provider.image: the pinned PyTorch image, bootstrapped
         gpu_type_id=GPU,
         cloud_type="COMMUNITY",
         support_public_ip=True,
@@ -116,6 +117,10 @@ def test_create_pod(fake):
     ours.BACKEND.launch(prov, cluster, label, offer, KEY_LINE)
     (our_deploy,) = ops_since(fake, start, "podFindAndDeployOnDemand")
     mine, theirs = dict(our_deploy.input), dict(their_deploy.input)
+    # The start command that installs sshd in the PyTorch image (runtime bootstrap): the client pastes
+    # docker_args into the query text unescaped, so a multi-line script cannot go through it. The same
+    # field (its default ""), sent by gpuctl as a variable.
+    assert (mine.pop("dockerArgs"), theirs.pop("dockerArgs")) == (RUNPOD_START, "")
     problems = differences(
         "podFindAndDeployOnDemand",
         {**mine, "env": {e["key"]: e["value"] for e in mine.pop("env")}},

@@ -106,7 +106,7 @@ def test_create_instance_and_attach_key(fake, official, prov):
     start = len(fake.calls)
     their_answer = official.create_instance(
         id=1001,
-        image=prov.image,
+        image=vast.boot_image(prov, "vast"),  # no provider.image: the pinned PyTorch image, bootstrapped
         disk=prov.disk_gb,
         env={"GPUCTL_CLUSTER": cluster.name},
         label=label,
