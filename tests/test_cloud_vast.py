@@ -310,7 +310,10 @@ def test_budget_cap_tears_the_node_down_even_if_the_run_goes_on(project, gpuctl,
     up = gpuctl("up", "--yes")
     assert up.returncode == 0, up.stderr
     assert "budget cap 0.9 min = $0.01" in up.stderr
-    started = gpuctl("train", "--detach")
+    assert "warning: the run cannot finish before the budget cap: provider.max_cost $0.015" in up.stderr
+    refused = gpuctl("train", "--detach")  # the prediction's low end is past the cap: nothing starts
+    assert refused.returncode == 1 and "--force trains anyway" in refused.stderr
+    started = gpuctl("train", "--detach", "--force")  # the cap must hold for a run that goes on
     assert started.returncode == 0, started.stderr
     wait_until(lambda: not fake.instances, 180, "the budget guard to delete the node", every=1)
     run_dir = next((tmp_path / "node" / "runs").iterdir())

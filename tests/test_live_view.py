@@ -111,6 +111,7 @@ def watch_detach_reattach(terminal: Terminal, gpuctl_cmd: str, state_dir: Path, 
         assert "✓ tokenizing data" in live and "✓ loading model" in live  # the phases before the first step
         assert "[INFO]" not in live and "launch.py" not in live  # DeepSpeed's launcher lines stay in job.log
         assert live.count(f"run {record['run_id']} started") == 1
+        assert planned_text(state_dir, record["run_id"]) in live  # the mean step beside what `train` predicted
         terminal.tmux("send-keys", "-t", terminal.name, "C-c")
         terminal.wait_for("the detach", lambda s: "TRAIN-EXIT=130" in s, 60)
         assert json.loads(Path(record["run_dir"], "status.json").read_text())["state"] == "running"
@@ -120,6 +121,7 @@ def watch_detach_reattach(terminal: Terminal, gpuctl_cmd: str, state_dir: Path, 
             "the same view again", lambda s: with_steps.search(s) and not logs_exit.search(s), 120
         )
         assert "loss" in again and "tokens/s" in again and "[INFO]" not in again
+        assert planned_text(state_dir, record["run_id"]) in again
     finally:
         os.killpg(record["pgid"], signal.SIGCONT)
     end = terminal.wait_for("the end of the run", logs_exit.search, 600)
@@ -127,6 +129,16 @@ def watch_detach_reattach(terminal: Terminal, gpuctl_cmd: str, state_dir: Path, 
     assert f"run {record['run_id']} succeeded" in end and "steps 30/30" in end
     assert "gpuctl ckpt pull step30 --hf ./step30-hf" in end and "wall time" in end
     assert "[INFO]" not in end
+
+
+def planned_text(state_dir: Path, run_id: str) -> str:
+    """The live view's "vs plan" figures: the step `train` predicted and kept for this run, saves apart."""
+    from provision.estimate.forecast import step_apart
+
+    planned = step_apart(json.loads((state_dir / "results" / run_id / "prediction.json").read_text()))
+    assert planned is not None
+    mid, low, high = planned
+    return f" s mean (plan {mid:.3g} s, {low:.3g}-{high:.3g}), measured/plan "
 
 
 def test_on_a_pipe_plain_lines_and_json_lines(project, gpuctl, state_dir):

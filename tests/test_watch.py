@@ -146,3 +146,56 @@ def test_a_superseded_upload_is_said_and_counted_while_the_newest_checkpoint_sta
     console = Console(width=200, record=True)
     console.print(figures(st))
     assert "step3 saving; 1 superseded (upload skipped), last step2" in console.export_text()
+
+
+METRICS = """\
+{"step": 1, "loss": 5.61, "tokens_per_s": 900.0, "step_time_s": 2.4, "fwd_bwd_s": 2.0, "optimizer_s": 0.4, "time": 10.0}
+{"step": 2, "loss": 5.43, "tokens_per_s": 5100.0, "step_time_s": 0.3, "fwd_bwd_s": 0.2, "optimizer_s": 0.1, "time": 10.3}
+{"step": 3, "loss": 5.20, "tokens_per_s": 3100.0, "step_time_s": 0.5, "fwd_bwd_s": 0.4, "optimizer_s": 0.1, "time": 10.8}
+"""
+
+
+def test_the_live_view_shows_the_measured_mean_step_beside_what_train_predicted(state_dir):
+    """The prediction is the one `train` saved with the run (here: calibrated by a recorded doctor JSON, so
+    plan's tables would give other figures), its step without the amortised save, as step_time_s is."""
+    import json
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from provision.cli.live import figures
+    from provision.estimate.doctor_speed import raw_rates
+    from provision.estimate.forecast import save_prediction
+    from provision.estimate.plan import PlanInput, plan
+    from provision.estimate.step_time import predict
+
+    doctor = json.loads((Path(__file__).parent / "data" / "doctor_rates" / "cpu-3ranks-tiny-seq128.json").read_text())
+    tiny = PlanInput(model="tiny", gpus_per_node=3, micro_batch=1, seq_len=128, grad_accum=4, precision="fp32",
+                     gradient_checkpointing=False)  # fmt: skip
+    model = predict(plan(tiny), accelerator="cpu", doctor={"n": raw_rates(doctor)}, checkpoint_every=1)
+    save_prediction(state_dir / "results" / "r1", model)  # what `train` does once the run started
+    run = _state().info.run
+    st = WatchState(RunInfo.of(run))
+    console = Console(width=200, record=True)
+    console.print(figures(st))
+    assert "vs plan" not in console.export_text()  # no step yet: nothing measured to set beside it
+    st.apply(Update(_status(st, "running"), [], [json.loads(line) for line in METRICS.splitlines()], []))
+    console.print(figures(st))
+    saves_apart = [t for t in model.terms if t.name != "checkpoint"]
+    mid, low, high = (sum(t.seconds for t in saves_apart), model.fast_s, model.slow_s)
+    low -= next(t.fast_s for t in model.terms if t.name == "checkpoint")
+    high -= next(t.slow_s for t in model.terms if t.name == "checkpoint")
+    text = console.export_text()
+    row = next(line for line in text.splitlines() if line.startswith("vs plan"))
+    assert (
+        row.split(None, 2)[2].rstrip()
+        == f"step 0.4 s mean (plan {mid:.3g} s, {low:.3g}-{high:.3g}), measured/plan {0.4 / mid:.2f}"
+    )
+    tables = predict(plan(tiny), accelerator="cpu", checkpoint_every=1)
+    assert f"plan {tables.step_s:.3g} s" not in text  # not recomputed from plan's tables
+
+    run.run_id = "r2"  # a run `train` predicted nothing for (a model plan does not know): no row
+    other = WatchState(RunInfo.of(run))
+    other.apply(Update(_status(other, "running"), [], [json.loads(METRICS.splitlines()[1])], []))
+    console.print(figures(other))
+    assert other.info.prediction is None and console.export_text().count("vs plan") == 0

@@ -69,7 +69,9 @@ def train(
     force: Annotated[
         bool,
         typer.Option(
-            "--force", help="train even on a node whose checks failed, or a config gpuctl plan says does not fit"
+            "--force",
+            help="train even on a node whose checks failed, a config gpuctl plan says does not fit, "
+            "or a run predicted not to finish before the budget cap",
         ),
     ] = False,
     verbose: VerboseOpt = False,
@@ -104,6 +106,10 @@ def train(
     from provision.estimate.forecast import say_forecast
 
     model = say_forecast(cfg, cluster, say)
+    if model is not None:  # a resumed run has fewer steps left than max_steps: it is warned, not refused
+        from provision.estimate.forecast import check_cap
+
+        check_cap(cfg, cluster, model, say, refuse=not (force or resume_tag))
     run = job.start_run(cfg, cluster, resume=resume_tag, say=say)
     if model is not None:
         from provision.core.state import state_dir

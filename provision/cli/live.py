@@ -105,6 +105,9 @@ def figures(st: WatchState) -> Table:
         f"MFU {_num(100 * last['mfu'] if isinstance(last.get('mfu'), (int, float)) else None, '.1f', 'n/a')}"
         + ("%" if isinstance(last.get("mfu"), (int, float)) else no_mfu(st)[3:]),
     )
+    planned = plan_text(st)
+    if planned:
+        grid.add_row("vs plan", planned)
     mem = last.get("peak_mem_gb")
     grid.add_row(
         "peak memory",
@@ -116,6 +119,23 @@ def figures(st: WatchState) -> Table:
     grid.add_row("checkpoint", Text(shown + superseded_text(st)))  # the node's tag: no rich markup in it
     grid.add_row("cost", cost_text(info))
     return grid
+
+
+def _secs(seconds: float) -> str:
+    return f"{seconds:.3g} s"
+
+
+def plan_text(st: WatchState) -> str:
+    """The measured mean step (saves apart, warm-up step left out) beside what `train` predicted for this
+    run; empty until a step arrives or when `train` predicted nothing (a model plan does not know)."""
+    from provision.estimate.forecast import measured_means, step_apart
+
+    planned = step_apart(st.info.prediction)
+    seen = measured_means(st.metrics).get("step_time_s")
+    if planned is None or seen is None:
+        return ""
+    mid, low, high = planned
+    return f"step {_secs(seen)} mean (plan {_secs(mid)}, {low:.3g}-{high:.3g}), measured/plan {seen / mid:.2f}"
 
 
 def cost_text(info: RunInfo) -> str:

@@ -176,3 +176,83 @@ def results_comparison(results: Any) -> list[str]:
     if not isinstance(prediction, dict) or not records:
         return []
     return compare_lines(prediction, measured_means(records, saves))
+
+
+def step_apart(prediction: dict[str, Any] | None) -> tuple[float, float, float] | None:
+    """A saved prediction's step without its amortised save (mid, low, high seconds): what the trainer's
+    step_time_s measures (it leaves saves out). None for a prediction that lacks its terms."""
+    if not isinstance(prediction, dict) or not isinstance(prediction.get("terms"), list):
+        return None
+    mid = low = high = 0.0
+    for t in prediction["terms"]:
+        span = t.get("range_s") if isinstance(t, dict) else None
+        if not (isinstance(span, list) and len(span) == 2 and isinstance(t.get("seconds"), (int, float))):
+            return None
+        if t.get("name") != "checkpoint" and all(isinstance(x, (int, float)) for x in span):
+            mid, low, high = mid + float(t["seconds"]), low + float(span[0]), high + float(span[1])
+    return (mid, low, high) if mid > 0 else None
+
+
+def load_prediction(run_id: str) -> dict[str, Any] | None:
+    """What `train` predicted for this run (save_prediction); None when it predicted nothing."""
+    import json
+
+    from provision.core.state import state_dir
+
+    try:
+        doc = json.loads((state_dir() / "results" / run_id / PREDICTION_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _binding_cap(cfg: GpuctlConfig, cluster: ClusterRecord) -> tuple[str, str]:
+    """The config field whose cap is the cluster's (the smaller of max_hours and max_cost at the price)."""
+    prov = cfg.provider
+    hours, cost = getattr(prov, "max_hours", None), getattr(prov, "max_cost", None)
+    price = cluster.price_per_hour or 0.0
+    by_cost = (cost - cluster.spent_cost) / price if cost and price > 0 else None
+    if by_cost is not None and (not hours or by_cost < hours - cluster.spent_hours):
+        return "provider.max_cost", f"${cost:,.4g} (${price:.3f}/h: {_dur(by_cost * 3600)})"
+    return "provider.max_hours", f"{hours or cluster.budget_hours:g} h"
+
+
+def warn_cap(cfg: GpuctlConfig, cluster: ClusterRecord, say: Any) -> None:
+    """`up` before it asks to rent: the picked offers' cap against the prediction for their GPUs (plan's tables;
+    the quick checks say it again with the node's own figures)."""
+    model = cluster_model(cfg, cluster)
+    if model is not None:
+        check_cap(cfg, cluster, model, say, refuse=False)
+
+
+def check_cap(cfg: GpuctlConfig, cluster: ClusterRecord, model: StepModel, say: Any, *, refuse: bool) -> None:
+    """`up` and `train`: the budget cap against the time to max_steps. A cap below the prediction's high end
+    may stop the run before its end (a warning); below its low end the run cannot finish, and `train`
+    refuses (refuse=True): a save before the cap would be paid for and the run still not done."""
+    import time
+
+    from provision.core.errors import GpuctlError
+
+    if not cluster.budget_hours:
+        return
+    steps = cfg.train.max_steps
+    fast, mid, slow = model.eta_s(steps)
+    left = cluster.created_at + cluster.budget_hours * 3600 - time.time()
+    if slow <= left:
+        return
+    field, cap = _binding_cap(cfg, cluster)
+    fits = max(1, int(left / model.slow_s)) if model.slow_s > 0 else 1
+    what = (
+        f"{field} {cap}, {_dur(max(left, 0))} left, but {steps:,} steps are predicted to take "
+        f"{_dur(mid)} ({_dur(fast)}-{_dur(slow)})"
+    )
+    fix = f"lower train.max_steps to {fits:,} or raise {field}; `up` sets the cap: `gpuctl down` and `up` again"
+    if fast > left and refuse:
+        raise GpuctlError(
+            f"the run cannot finish before the budget cap: {what}",
+            f"lower train.max_steps to {fits:,}, or raise {field} then `gpuctl down` and `up`; --force trains anyway",
+        )
+    if fast > left:
+        say(f"warning: the run cannot finish before the budget cap: {what}; {fix}")
+    else:
+        say(f"warning: the budget cap may stop the run before its end: {what}; {fix}")

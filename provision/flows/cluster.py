@@ -111,7 +111,12 @@ def _quick_checks(cfg: GpuctlConfig, record: state.ClusterRecord, opts: UpOption
     opts.say(f"quick checks: {counts['pass']} pass, {counts['warn']} warn (`gpuctl doctor` for the table)")
     from provision.estimate.forecast import say_forecast
 
-    say_forecast(cfg, state.find_cluster(record.name) or record, opts.say)
+    current = state.find_cluster(record.name) or record
+    model = say_forecast(cfg, current, opts.say)
+    if model is not None:  # the cluster is paid for now: `train` refuses a run that cannot finish
+        from provision.estimate.forecast import check_cap
+
+        check_cap(cfg, current, model, opts.say, refuse=False)
 
 
 def _start_guard(record: state.ClusterRecord, provider: ProviderBackend, opts: UpOptions) -> None:

@@ -72,15 +72,19 @@ class RunInfo:
     cluster: state.ClusterRecord | None
     train: dict[str, Any]
     storage_url: str | None
+    prediction: dict[str, Any] | None = None  # what `train` predicted for this run (estimate/forecast.py)
 
     @classmethod
     def of(cls, run: state.RunRecord) -> RunInfo:
+        from provision.estimate.forecast import load_prediction
+
         try:
             spec = json.loads((Path(run.bundle_dir) / "run.json").read_text())
         except (OSError, json.JSONDecodeError):
             spec = {}
         storage = spec.get("storage") or {}
-        return cls(run, state.find_cluster(run.cluster), spec.get("train") or {}, storage.get("url"))
+        train = spec.get("train") or {}
+        return cls(run, state.find_cluster(run.cluster), train, storage.get("url"), load_prediction(run.run_id))
 
     @property
     def log_every(self) -> int:

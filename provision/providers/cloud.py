@@ -178,6 +178,19 @@ class CloudBackend(ProviderBackend):
             else "no budget cap (set provider.max_hours or max_cost)"
         )
         opts.say(f"total ${price:.3f}/h; {cap_text}")
+        from provision.estimate.forecast import warn_cap
+
+        # before it asks, so a cap the run cannot fit in is said before anything is paid
+        offered = ClusterRecord(
+            name=cfg.cluster_name,
+            provider=self.kind,
+            nodes=[planned_node(i, offer, "") for i, offer in enumerate(picks)],
+            price_per_hour=price,
+            budget_hours=cap,
+            spent_hours=opts.spent_hours,
+            spent_cost=opts.spent_cost,
+        )
+        warn_cap(cfg, offered, opts.say)
         if opts.dry_run:
             return None
         if not opts.confirm(f"create {len(picks)} {self.kind} node(s) at ${price:.3f}/h?"):
