@@ -20,6 +20,10 @@ IMAGE_CUDA = "12.8"
 # workflow, .github/workflows/release.yml, tags what it pushes the same way).
 IMAGE_REPO = "ghcr.io/gpuctl/trainer"
 DEFAULT_IMAGE = f"{IMAGE_REPO}:{__version__}"
+# A private image's registry login (provider.registry_user or the user's env; docker.ship pull and
+# `image build --push` read the same): the password from the environment, never the config file, the
+# state dir or a command line.
+REGISTRY_USER_ENV, REGISTRY_PASSWORD_ENV = "GPUCTL_REGISTRY_USER", "GPUCTL_REGISTRY_PASSWORD"
 SLURM_WORD = re.compile(r"^[A-Za-z0-9_.:,&|\[\]*=+-]{1,200}$")
 HOST_RE = re.compile(r"^(?:(?P<user>[A-Za-z0-9._-]+)@)?(?P<host>[A-Za-z0-9.:_-]+?)(?::(?P<port>\d{1,5}))?$")
 
@@ -185,6 +189,13 @@ class MarketProvider(CloudProvider):
         "with the node side installed at first boot (runtime bootstrap); the release's prebuilt image "
         f"({DEFAULT_IMAGE}, `gpuctl image build --push`) skips that install",
     )
+    registry_user: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._@+-]{0,127}$",
+        description="user of a private provider.image's registry (ghcr.io: your GitHub user); its password or token "
+        f"comes from ${REGISTRY_PASSWORD_ENV} when `up` runs, never from this file; null = ${REGISTRY_USER_ENV}, "
+        "else a public image",
+    )
 
     max_final_upload_min: float = Field(
         default=30,
@@ -198,6 +209,12 @@ class MarketProvider(CloudProvider):
         le=1_000_000,
         description="host upload, Mbit/s; null = plan's final checkpoint over max_final_upload_min",
     )
+
+    @model_validator(mode="after")
+    def _registry_needs_image(self) -> MarketProvider:
+        if self.registry_user and not self.image:
+            raise ValueError("registry_user is set but provider.image is not: name the private image it logs in to")
+        return self
 
 
 class VastProvider(MarketProvider):

@@ -66,6 +66,9 @@ class ClusterRecord(BaseModel):
     # Cloud providers: where the vendor API is (api_url override, AWS region) so that `down`
     # and self-teardown work from the record alone, without the config.
     api_url: str | None = None
+    # RunPod: the container registry auth `up` saved for a private provider.image (its id, no
+    # secret); `down` deletes it.
+    registry_auth_id: str | None = None
     region: str | None = None
     budget_hours: float | None = None  # the node tears itself down this long after created_at
     doctor: DoctorResult | None = None  # the last `gpuctl doctor` (or `up`'s quick checks)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from provision.core.config import GpuctlConfig
 from provision.core.errors import ConfigError, GpuctlError, RemoteError
-from provision.core.provider_config import CloudProvider, SSHProvider
+from provision.core.provider_config import REGISTRY_PASSWORD_ENV, REGISTRY_USER_ENV, CloudProvider, SSHProvider
 from provision.flows.context import build_context, context_tar
 from provision.providers.base import DEFAULT_IMAGE
 from provision.transport.remote import CommandResult, LocalNode, Node
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from provision.core.state import ClusterRecord
 
 Say = Callable[[str], None]
-USER_ENV, PASSWORD_ENV = "GPUCTL_REGISTRY_USER", "GPUCTL_REGISTRY_PASSWORD"
+USER_ENV, PASSWORD_ENV = REGISTRY_USER_ENV, REGISTRY_PASSWORD_ENV
 DOCKER_HUB = "https://index.docker.io/v1/"  # the server name docker asks a credential helper for
 CONTEXT_LABEL = "org.gpuctl.context-sha256"
 CHUNK = 1 << 20  # bytes per read of a `docker save` stream or a context tar

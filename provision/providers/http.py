@@ -112,9 +112,10 @@ class _RateLimited(_Transient):
     """HTTP 429: the server did nothing; always safe to retry."""
 
 
-def redact(text: str, secret: str | None) -> str:
-    if secret and len(secret) >= 4:
-        text = text.replace(secret, "***")
+def redact(text: str, *secrets: str | None) -> str:
+    for secret in secrets:
+        if secret and len(secret) >= 4:
+            text = text.replace(secret, "***")
     return text
 
 
@@ -143,12 +144,21 @@ class JsonApi:
         self.vendor = vendor
         self.base_url = base_url.rstrip("/")
         self._key = key
+        self._hidden: list[str] = []  # other secrets a request carries (a registry password): never in a message
         self.key_source = key_source
         self.retry = retry or DEFAULT_RETRY
 
     def secret(self) -> str:
         """The key itself, for the node's self-teardown env (secrets.env); never print it."""
         return self._key
+
+    def hide(self, secret: str) -> None:
+        """A secret this client's requests carry besides the key: errors and answers quoted in
+        messages have it replaced (a server may echo what it was sent)."""
+        self._hidden.append(secret)
+
+    def redact(self, text: str) -> str:
+        return redact(text, self._key, *self._hidden)
 
     def request(self, method: str, path: str, body: Any = None, *, idempotent: bool = True) -> Any:
         """idempotent=False (a create): only a 429 is retried. After a 5xx or a lost connection
@@ -169,7 +179,7 @@ class JsonApi:
         except _Transient as exc:
             tries = retrying.statistics.get("attempt_number", 1)
             raise ProviderError(
-                f"{self.vendor} API kept failing on {method} {path or '/'}: {redact(exc.detail, self._key)} "
+                f"{self.vendor} API kept failing on {method} {path or '/'}: {self.redact(exc.detail)} "
                 f"({tries} {'try' if tries == 1 else 'tries'})",
                 f"wait a few minutes and retry; the {self.vendor} API is rate-limiting or down",
             ) from None
@@ -202,7 +212,7 @@ class JsonApi:
             there = origin(off.target)
             raise ProviderError(
                 f"{self.vendor} API redirected {method} {path or '/'} to another origin "
-                f"({redact(f'{there[0]}://{there[1]}:{there[2]}', self._key)}); the API key is not sent there",
+                f"({self.redact(f'{there[0]}://{there[1]}:{there[2]}')}); the API key is not sent there",
                 "set provider.api_url to the API's own address",
             ) from None
         except urllib.error.HTTPError as err:
@@ -219,7 +229,7 @@ class JsonApi:
 
     def _raise_for(self, err: urllib.error.HTTPError, method: str, path: str) -> None:
         code = err.code
-        detail = redact(_error_text(err), self._key)
+        detail = self.redact(_error_text(err))
         if code in (401, 403):
             raise AuthError(
                 f"{self.vendor} rejected the API key from {self.key_source} (HTTP {code})",

@@ -28,6 +28,9 @@ parsed as query syntax. tests/test_cloud_oracle_runpod.py compares the two.
   has the public TCP port for 22 (RUNNING is reported while the image still pulls: then an
   SSH banner, cloud.py).
 - terminate: podTerminate(input: {podId}); list: myself { pods { ... } }.
+- a private provider.image: saveRegistryAuth(input: {name, username, password}) { id } at `up`
+  (the client's create_container_registry_auth), the pods deployed with containerRegistryAuthId,
+  deleteRegistryAuth(registryAuthId) at `down`. The password is a variable of that one call.
 - host: a deploy cannot name or avoid a machine (RunPod places the pod); the pod's `machineId`
   is the host identity it exposes, so recovery.exclude_lost_hosts checks it once the pod runs
   and a pod placed on a lost machine is terminated and asked for again (flows/recover.py).
@@ -42,9 +45,12 @@ from __future__ import annotations
 import json
 import math
 import re
+import secrets
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from provision.core import state
 from provision.core.errors import AuthError, NoOfferError, ProviderError
 from provision.core.provider_config import IMAGE_CUDA, CloudProvider, RunPodProvider
 from provision.core.state import ClusterRecord, NodeRecord
@@ -54,6 +60,7 @@ from provision.providers.base import Offer, SelfTeardown, workdir_env
 from provision.providers.cloud import CloudBackend, Instance, price_of
 from provision.providers.http import ApiRefused, JsonApi, load_key
 from provision.providers.prices import vendor_price
+from provision.providers.registry_login import registry_login
 from provision.providers.teardown import http_teardown, node_last
 from provision.providers.vendor_images import RUNPOD_START, boot_image
 
@@ -83,6 +90,12 @@ POD_FIELDS = "id name desiredStatus costPerHr machineId runtime { uptimeInSecond
 POD = f"query Pod($input: PodFilter!) {{ pod(input: $input) {{ {POD_FIELDS} }} }}"
 PODS = f"query Pods {{ myself {{ pods {{ {POD_FIELDS} }} }} }}"
 POD_CHECK = "query Pod($input: PodFilter!) { pod(input: $input) { id desiredStatus } }"
+# A private image: a container registry auth per cluster, named like its pods, made at `up` and
+# deleted at `down` (the client's saveRegistryAuth / deleteRegistryAuth; values as variables).
+SAVE_AUTH = """mutation SaveRegistryAuth($name: String!, $username: String!, $password: String!) {
+  saveRegistryAuth(input: {name: $name, username: $username, password: $password}) { id name } }"""
+DELETE_AUTH = "mutation DeleteRegistryAuth($id: String!) { deleteRegistryAuth(registryAuthId: $id) }"
+AUTH_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 TERMINATE = "mutation Terminate($input: PodTerminateInput!) { podTerminate(input: $input) }"
 
 
@@ -113,7 +126,7 @@ def gql(
     if errors:
         listed = errors if isinstance(errors, list) else [errors]
         text = "; ".join(str(e.get("message", e)) if isinstance(e, dict) else str(e) for e in listed)[:300]
-        raise _error(scrub(text))
+        raise _error(client.redact(scrub(text)))  # an answer may echo what it was sent (a key, a password)
     data = answer.get("data") if isinstance(answer, dict) else None
     return obj(data, VENDOR, "a query")
 
@@ -232,6 +245,8 @@ class RunPodBackend(CloudBackend):
             ],
             "allowedCudaVersions": allowed_cuda(),
         }
+        if cluster.registry_auth_id:  # a private provider.image (prepare saved the login)
+            pod["containerRegistryAuthId"] = cluster.registry_auth_id
         if not prov.image:  # runtime bootstrap: the vendor PyTorch image has no sshd of its own
             pod["dockerArgs"] = RUNPOD_START
         if prov.min_upload_mbps and not prov.interruptible:
@@ -247,6 +262,37 @@ class RunPodBackend(CloudBackend):
             )
         # (an id that is no id: the abort finds what this deploy made by its name, the label)
         return str(read(RunPodPod, data, VENDOR, "the deploy").id)
+
+    def prepare(self, prov: CloudProvider, cluster: ClusterRecord, public_key: str) -> None:
+        """A private provider.image: save the registry login as a RunPod container registry auth."""
+        assert isinstance(prov, RunPodProvider)
+        login = registry_login(prov)
+        if login is None:
+            return
+        client = api(cluster.api_url)
+        client.hide(login.password)
+        name = f"gpuctl-{cluster.name}-registry-{secrets.token_hex(3)}"
+        variables = {"name": name, "username": login.user, "password": login.password}
+        answer = obj(
+            gql(client, SAVE_AUTH, variables, idempotent=False).get("saveRegistryAuth"), VENDOR, "the registry auth"
+        )
+        auth_id = answer.get("id")
+        if not isinstance(auth_id, str) or not AUTH_ID.match(auth_id):
+            raise ProviderError("RunPod saved the registry login but returned no usable id", "retry `gpuctl up`")
+        cluster.registry_auth_id = auth_id
+        state.save_cluster(cluster)  # `down` (or the abort of this `up`) deletes it even if this process dies now
+
+    def release(self, cluster: ClusterRecord, say: Callable[[str], None]) -> None:
+        """Delete the cluster's container registry auth (once its pods are gone)."""
+        if not cluster.registry_auth_id:
+            return
+        try:
+            gql(api(cluster.api_url), DELETE_AUTH, {"id": cluster.registry_auth_id})
+        except ProviderError as exc:
+            if "not found" not in exc.message.lower():
+                raise
+        say(f"deleted RunPod registry auth {cluster.registry_auth_id}")
+        cluster.registry_auth_id = None
 
     def account_missing(self) -> str | None:
         try:

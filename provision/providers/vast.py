@@ -9,6 +9,7 @@ vastai/api/{offers,instances,keys}.py) sends it; tests/test_cloud_oracle_vast.py
   min_bid that is nan, 0, negative or not a number is an error naming the field: no cost or cap could hold.
 - create: PUT /api/v0/asks/{offer_id}/ {client_id: "me", image, disk, label, env, onstart,
   runtype: "ssh_direc ssh_proxy", cancel_unavail: true} -> {"success": true, "new_contract": id}.
+  A private image adds image_login: "-u USER -p PASS SERVER" (the client's `--login`).
   ssh_direc + ssh_proxy: a direct port where the host has one, Vast's proxy always (what the
   client's ssh=True, direct=True builds). cancel_unavail: an offer that cannot be scheduled is
   an error now, not a stopped instance whose disk is billed while we wait for it.
@@ -41,6 +42,7 @@ from provision.providers.base import BOOT_HOOK, Offer, SelfTeardown, workdir_env
 from provision.providers.cloud import CloudBackend, Instance, price_of
 from provision.providers.http import ApiNotFound, JsonApi, load_key
 from provision.providers.prices import vendor_price
+from provision.providers.registry_login import registry_login
 from provision.providers.teardown import http_teardown, node_last
 from provision.providers.vendor_images import boot_image
 
@@ -230,15 +232,26 @@ class VastBackend(CloudBackend):
             )
         return offers[:nodes]
 
+    def prepare(self, prov: CloudProvider, cluster: ClusterRecord, public_key: str) -> None:
+        """A private provider.image: its password must be there before the first rental."""
+        assert isinstance(prov, VastProvider)
+        registry_login(prov)
+
     def launch(self, prov: CloudProvider, cluster: ClusterRecord, label: str, offer: Offer, public_key: str) -> str:
         assert isinstance(prov, VastProvider)
         client = api(cluster.api_url)
         body = create_body(prov, cluster, label, offer)
+        login = registry_login(prov)
+        if login:  # a private provider.image: the host's `docker login` arguments
+            client.hide(login.password)
+            body["image_login"] = login.vast_image_login()
         what = f"the rental of offer {offer.id}"
         answer = obj(client.request("PUT", f"/api/v0/asks/{offer.id}/", body, idempotent=False), VENDOR, what)
         if not answer.get("success") or not answer.get("new_contract"):
             raise ProviderError(
-                f"Vast.ai did not rent offer {offer.id}: {answer.get('msg') or answer.get('error') or answer}"[:400],
+                client.redact(
+                    f"Vast.ai did not rent offer {offer.id}: {answer.get('msg') or answer.get('error') or answer}"
+                )[:400],
                 "the offer may be taken or unschedulable; retry `gpuctl up`",
             )
         # (an id that is no id: the abort finds what this create made by its label)

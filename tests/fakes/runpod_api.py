@@ -14,7 +14,8 @@ client's (values pasted inline) are parsed, validated and executed alike:
   (`host_cuda`) not in allowedCudaVersions, or their uplink (`host_upload_mbps`) below minUpload:
   the same error;
 - pod(input: PodFilter) -> Pod or null; myself { pods }; podTerminate(input) -> Void ("pod not
-  found to terminate" when gone).
+  found to terminate" when gone); saveRegistryAuth / deleteRegistryAuth (`registry_auths`), and a
+  deploy naming a containerRegistryAuthId that does not exist is refused.
 Pods: runtime is null for `boot_polls` reads (RUNNING while the image pulls), then 22/tcp points
 at the test sshd. The image side is modelled as the contract gpuctl's image honours: the keys in
 env SSH_PUBLIC_KEY (per pod) and PUBLIC_KEY (RunPod puts the account's key there,
@@ -47,7 +48,11 @@ type Mutation {
   podFindAndDeployOnDemand(input: PodFindAndDeployOnDemandInput): Pod
   podRentInterruptable(input: PodRentInterruptableInput!): Pod
   podTerminate(input: PodTerminateInput!): Void
+  saveRegistryAuth(input: SaveRegistryAuthInput!): ContainerRegistryAuth
+  deleteRegistryAuth(registryAuthId: String!): Void
 }
+input SaveRegistryAuthInput { name: String!, username: String!, password: String! }
+type ContainerRegistryAuth { id: String, name: String }
 
 input GpuTypeFilter { id: String }
 input GpuLowestPriceInput {
@@ -73,14 +78,15 @@ input PodFindAndDeployOnDemandInput {
   ports: String, volumeMountPath: String, env: [EnvironmentVariableInput], startSsh: Boolean,
   startJupyter: Boolean, supportPublicIp: Boolean, dataCenterId: String, countryCode: String,
   templateId: String, networkVolumeId: String, allowedCudaVersions: [String], minDownload: Int,
-  minUpload: Int, cudaVersion: String, volumeKey: String
+  minUpload: Int, cudaVersion: String, volumeKey: String, containerRegistryAuthId: String
 }
 input PodRentInterruptableInput {
   bidPerGpu: Float!, name: String!, imageName: String!, cloudType: CloudTypeEnum!, gpuTypeId: String!,
   gpuCount: Int, volumeInGb: Int, containerDiskInGb: Int, minVcpuCount: Int, minMemoryInGb: Int,
   dockerArgs: String, ports: String, volumeMountPath: String, env: [EnvironmentVariableInput],
   startSsh: Boolean, startJupyter: Boolean, supportPublicIp: Boolean, dataCenterId: String,
-  countryCode: String, templateId: String, networkVolumeId: String, allowedCudaVersions: [String]
+  countryCode: String, templateId: String, networkVolumeId: String, allowedCudaVersions: [String],
+  containerRegistryAuthId: String
 }
 input PodFilter { podId: String! }
 input PodTerminateInput { podId: String! }
@@ -158,6 +164,7 @@ class FakeRunPod(FakeApi):
     error_status: int = 200
     price_moves: float = 0.0  # $/h per GPU added at deploy: the price moved between search and create
     machines: list[str] = field(default_factory=list)  # machineId of the next pods (RunPod picks); then m-<pod>
+    registry_auths: dict[str, dict] = field(default_factory=dict)  # id -> {name, username, password}
 
     def __post_init__(self):
         super().__post_init__()
@@ -244,6 +251,20 @@ class FakeRunPod(FakeApi):
         self.terminated.append(pod["id"])
         return None
 
+    def saveRegistryAuth(self, info, input):
+        self._log(info, input)
+        if any(a["name"] == input["name"] for a in self.registry_auths.values()):
+            raise GraphQLError("Registry auth with this name already exists")
+        auth_id = f"fakeauth{len(self.registry_auths) + 1:04d}"
+        self.registry_auths[auth_id] = dict(input)
+        return {"id": auth_id, "name": input["name"]}
+
+    def deleteRegistryAuth(self, info, registryAuthId):
+        self._log(info, {"registryAuthId": registryAuthId})
+        if self.registry_auths.pop(registryAuthId, None) is None:
+            raise GraphQLError("Registry auth not found")
+        return None
+
     # pods ----------------------------------------------------------------------------------------
     def _deploy(self, arg: dict, spot: bool) -> dict:
         gpu = next((g for g in self.gpu_types if g["id"] == arg["gpuTypeId"]), None)
@@ -253,6 +274,8 @@ class FakeRunPod(FakeApi):
             raise GraphQLError(NO_CAPACITY)
         if (arg.get("minUpload") or 0) > self.host_upload_mbps:
             raise GraphQLError(NO_CAPACITY)
+        if arg.get("containerRegistryAuthId") and arg["containerRegistryAuthId"] not in self.registry_auths:
+            raise GraphQLError("Container registry auth not found")  # a pod whose image cannot be pulled
         self.deploy_inputs.append(arg)
         secure = arg["cloudType"] == "SECURE"
         per_gpu = (arg["bidPerGpu"] if spot else gpu["securePrice" if secure else "communityPrice"]) + self.price_moves
