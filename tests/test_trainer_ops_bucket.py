@@ -208,3 +208,33 @@ def test_a_cpu_without_avx2_keeps_deepspeeds_own_build(tmp_path):
     assert opscache.arch_target(tmp_path / "cpuinfo") is None
     (tmp_path / "cpuinfo").write_text("processor : 0\nflags : fpu sse2 avx avx2 fma\n")
     assert opscache.arch_target(tmp_path / "cpuinfo") in (None, "x86-64-v3")  # None off x86-64
+
+
+def test_two_first_runs_at_once_leave_one_complete_entry(storage, tmp_path):
+    import threading
+
+    nodes = []
+    for i in range(2):  # two nodes that each built the op (different bytes, so the winner is known)
+        folder = tmp_path / f"node{i}" / "ops"
+        (folder / "cpu_adam").mkdir(parents=True)
+        (folder / "cpu_adam" / "cpu_adam.so").write_bytes(f"build of node {i}".encode() * 100_000)
+        nodes.append(folder)
+    start, errors = threading.Barrier(2), []
+
+    def upload(folder: Path) -> None:
+        try:
+            start.wait(timeout=30)
+            opscache.publish(CheckpointStore.from_config(storage).backend, "cpu_adam", KEY, folder)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=upload, args=(folder,)) for folder in nodes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert errors == [] and not any(t.is_alive() for t in threads)
+    fresh = tmp_path / "fresh" / "ops"
+    assert opscache.fetch(CheckpointStore.from_config(storage).backend, "cpu_adam", KEY, fresh) is True
+    got = (fresh / "cpu_adam" / "cpu_adam.so").read_bytes()
+    assert got in {(n / "cpu_adam" / "cpu_adam.so").read_bytes() for n in nodes}  # one node's, whole
