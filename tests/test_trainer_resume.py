@@ -8,10 +8,12 @@ import shutil
 import pytest
 
 from tests import test_trainer_helpers as h
+from tests import test_trainer_ops_bucket as ops
 
 pytest.importorskip("deepspeed")
 
 WORLD, ACCUM, STEPS, AT = 2, 2, 6, 3
+OPS = ("deepspeed_shm_comm", "cpu_adam")  # CPU ranks: the shared-memory allreduce, then CPU Adam
 
 
 @pytest.mark.slow
@@ -62,11 +64,17 @@ def test_resume_with_other_world_size_fails_clearly(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_checkpoints_upload_prune_and_resume_from_store(tmp_path):
+def test_checkpoints_upload_prune_and_resume_from_store(tmp_path, monkeypatch):
     pytest.importorskip("trainer.objstore")
     from trainer.objstore.store import CheckpointStore
 
     storage = {"url": (tmp_path / "store").as_uri(), "endpoint_url": None, "region": None, "profile": None, "keep": 3}
+    # The ranks' ops from the store's op cache (trainer/opscache.py), as on a fresh GPU node: the first
+    # run finds them there (seeded with this machine's builds), the second has them on its disk.
+    key = ops.node_key()
+    ops.seed_from_first_run(CheckpointStore.from_config(storage).backend, key, tmp_path, OPS)
+    monkeypatch.setenv("GPUCTL_OPS_CACHE", "1")
+    monkeypatch.setenv("GPUCTL_OPS_DIR", str(tmp_path / "node-ops"))
     first = h.make_run_dir(
         tmp_path / "first",
         world=WORLD,
@@ -78,6 +86,9 @@ def test_checkpoints_upload_prune_and_resume_from_store(tmp_path):
     )
     proc = h.launch(first, WORLD)
     assert proc.returncode == 0, proc.stdout[-3000:]
+    for op in OPS:  # one process of the node fetched each op; every rank loaded it from there
+        assert proc.stdout.count(f"trainer: ops: cache hit {op}-{key} (") == 1, proc.stdout[-3000:]
+    assert "compiled" not in proc.stdout
     store = CheckpointStore.from_config(storage)
     assert store.latest().tag == f"step{STEPS}" and store.latest().world_size == WORLD
     assert sorted(i.tag for i in store.list() if i.complete) == ["step2", "step4", "step6"]
@@ -95,6 +106,7 @@ def test_checkpoints_upload_prune_and_resume_from_store(tmp_path):
     proc = h.launch(second, WORLD)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "downloaded checkpoint step4" in proc.stdout
+    assert "ops:" not in proc.stdout  # already on this node's disk
     before, after = h.losses(first), h.losses(second)
     assert sorted(after) == [5, 6]
     for step, loss in after.items():

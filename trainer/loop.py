@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import transformers
 from deepspeed.accelerator import get_accelerator
 
-from trainer import events, secrets_file, stop_signal
+from trainer import events, opscache, secrets_file, stop_signal
 from trainer.checkpoint import Checkpointer, Position, open_store, resume
 from trainer.config import DistEnv, RunConfig
 from trainer.dataset import (
@@ -171,6 +171,7 @@ def setup(cfg: RunConfig, env: DistEnv) -> Session:
     ds_config = json.loads((cfg.run_dir / cfg.ds_config).read_text())
     precision = ds_precision(ds_config)
     events.start(cfg.run_dir, env.is_main)
+    opscache.for_run(open_store(cfg, print), ds_config, lambda m: print(f"trainer: {m}", flush=True))  # see there
     events.compile_phase("starting ranks", events.ops_needed(ds_config, at_init=False))
     fsdp_offload = cfg.train.strategy == "fsdp" and cfg.train.offload_optimizer == "cpu"
     start_distributed(env, precision, cfg.collective_timeout_s, cpu_offload=fsdp_offload)
