@@ -166,3 +166,21 @@ def test_predicted_and_measured_side_by_side():
     assert rows["checkpoint save (one)"][0] == pytest.approx(by["checkpoint"] * 5, rel=1e-4)
     lines = compare_lines(model_to_json(model), seen)
     assert lines[0].split() == ["part", "predicted", "measured", "ratio"] and len(lines) == 5
+
+
+def test_the_uploads_cpu_cost_is_measured_against_a_real_s3_server(s3_server, fresh_bucket):
+    """The doctor's larger storage object also says what the put cost in CPU-seconds: plan's upload term."""
+    from provision.estimate.rates import node_rates
+    from trainer.doctor import storage_facts
+
+    facts = storage_facts({"url": f"s3://{fresh_bucket}/runs/doc", "endpoint_url": s3_server.endpoint}, {}, 16)
+    assert facts["large_ok"] and 0 < facts["put_cpu_s"] < 60, facts
+    raw = raw_rates({"rates": {"upload": {"bytes": 16 << 20, "cpu_s": facts["put_cpu_s"]}}})
+    rate = node_rates(raw, None, "local")["upload_cpu"]
+    assert rate.mid == pytest.approx((16 << 20) / facts["put_cpu_s"]) and rate.source.startswith("doctor on local")
+    offload = predict(plan(TINY), accelerator="cpu", doctor={"local": raw}, checkpoint_every=10)
+    term = next(t for t in offload.terms if t.name == "upload cpu")
+    assert term.seconds > 0 and term.rate == rate and "upload cpu" in offload.measured
+    no_offload = plan(PlanInput(model="tiny", gpus_per_node=3, offload_optimizer="none"))
+    idle = next(t for t in predict(no_offload, checkpoint_every=10).terms if t.name == "upload cpu")
+    assert idle.seconds == 0  # the uploader takes cores the ranks leave idle

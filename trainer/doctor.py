@@ -208,12 +208,12 @@ def storage_facts(settings: dict[str, Any], env: dict[str, str], large_mb: int) 
         facts["roundtrip"] = backend.read_bytes(key) == small
         if large_mb:
             big = secrets.token_bytes(large_mb << 20)
-            t0 = time.monotonic()
+            t0, cpu0 = time.monotonic(), time.process_time()  # every thread of this process: boto3's too
             backend.write_bytes(key, big)
-            t1 = time.monotonic()
+            t1, put_cpu_s = time.monotonic(), time.process_time() - cpu0
             same = backend.read_bytes(key) == big
             t2 = time.monotonic()
-            facts.update(large_mb=large_mb, put_s=t1 - t0, get_s=t2 - t1, large_ok=same)
+            facts.update(large_mb=large_mb, put_s=t1 - t0, get_s=t2 - t1, large_ok=same, put_cpu_s=put_cpu_s)
         backend.delete([key])
         facts["deleted"] = backend.read_bytes(key) is None
     except (StorageError, ValueError, OSError) as exc:
@@ -235,6 +235,9 @@ def main() -> None:
     from trainer.doctor_rates import disk_write
 
     facts["rates"] = {"disk": disk_write(request.get("workdir") or "~", int(request.get("disk_mb") or 64))}
+    stored = facts.get("storage") or {}
+    if stored.get("large_ok") and stored.get("put_cpu_s"):  # what uploading costs this node's CPU (plan's term)
+        facts["rates"]["upload"] = {"bytes": stored["large_mb"] << 20, "cpu_s": stored["put_cpu_s"]}
     if not quick and "torch" in facts["software"]:
         from trainer.doctor_allreduce import measure
 

@@ -19,6 +19,7 @@ SHAPE: dict[str, tuple[str, ...]] = {
     "cpu_adam": ("params", "seconds", "threads"),
     "copy": ("bytes", "h2d_pinned_s", "d2h_pinned_s", "h2d_pageable_s", "d2h_pageable_s"),
     "disk": ("bytes", "seconds", "bytes_per_s"),
+    "upload": ("bytes", "cpu_s"),
 }
 MIN_DISK_MBPS = 100.0  # a 7B save (~100 GB on node 0) takes over 15 minutes below this
 MIN_PINNED_GBS = 15.0  # PCIe 4.0 x16 moves ~24 GB/s pinned; under 15 the link runs narrower (x8) or older (Gen3)

@@ -68,6 +68,9 @@ CPU_ADAM_PER_CORE = (1e8, 2e8)
 CORES_PER_RANK = (4, 8)
 CPU_COMPUTE_FLOPS = (5e9, 4e10)  # a CPU rank, no measurement: wide, run `gpuctl doctor`
 DISK_WRITE_BPS = (2e8, 1e9)  # a rented node's local NVMe / network volume
+# What uploading a checkpoint costs the node's CPU: bytes sent per CPU-second of the uploader (boto3's
+# multipart: an MD5/SHA-256 of every part at ~0.5-1 GB/s, TLS AES-GCM at 1-2 GB/s, urllib3's copies).
+UPLOAD_CPU_BPS = (1.5e8, 5e8)
 GPU_ADAM_PARAMS_S = (2e10, 5e10)  # optimizer on the GPU: ~16 bytes/param read+written at HBM/GDDR speed
 ENGINE_MICRO_S = (0.005, 0.03)  # DeepSpeed's hooks and bucketing per micro-step (measured: 10 ms, CPU tiny)
 ENGINE_STEP_S = (0.005, 0.05)
@@ -86,6 +89,7 @@ class Rates:
     disk: Rate  # bytes/s
     engine_micro: Rate  # seconds per micro-step (fixed cost)
     engine_step: Rate  # seconds per optimizer step
+    upload_cpu: Rate  # checkpoint bytes uploaded per CPU-second of the uploader
 
 
 def _busbw_to_algbw(gbs: tuple[float, float], ranks: int) -> tuple[float, float]:
@@ -103,7 +107,7 @@ def table_rates(
         compute = Rate(*CPU_COMPUTE_FLOPS, "FLOP/s", "assumed for a CPU rank (run `gpuctl doctor` to measure)")
         comm = Rate(2e8, 1.5e9, "B/s", "assumed for gloo between CPU ranks")
         host = Rate(math.inf, math.inf, "B/s", "CPU ranks: no device copy")
-        return Rates(compute, comm, comm, host, host, _adam(), _gpu_adam(), _disk(), _engine()[0], _engine()[1])
+        return Rates(compute, comm, comm, host, host, _adam(), _gpu_adam(), _disk(), *_engine(), _upload_cpu())
     short = min(1.0, tokens / SHORT_SEQ_TOKENS) ** 0.5
     compute = Rate(
         peak_flops * mfu[0] * short,
@@ -121,7 +125,7 @@ def table_rates(
     gen = "pcie5" if gpu.name in PCIE5 else "pcie4"
     lo, hi = COPY_GBS[gen][kind]
     copy = Rate(lo * 1e9, hi * 1e9, "B/s", f"{gen.upper()} x16, {kind} ({lo:g}-{hi:g} GB/s)")
-    return Rates(compute, reduce, gather, copy, copy, _adam(), _gpu_adam(), _disk(), *_engine())
+    return Rates(compute, reduce, gather, copy, copy, _adam(), _gpu_adam(), _disk(), *_engine(), _upload_cpu())
 
 
 def _adam() -> Rate:
@@ -131,6 +135,10 @@ def _adam() -> Rate:
 
 def _gpu_adam() -> Rate:
     return Rate(*GPU_ADAM_PARAMS_S, "params/s", "assumed: fused Adam at the GPU's memory bandwidth")
+
+
+def _upload_cpu() -> Rate:
+    return Rate(*UPLOAD_CPU_BPS, "B/s", "assumed: 150-500 MB per CPU-second of the uploader (hashes, TLS)")
 
 
 def _disk() -> Rate:
@@ -206,6 +214,11 @@ def node_rates(raw: dict[str, Any], dims: ModelDims | None, where: str, ranks: i
             "params/s",
             f"{src}: CPU Adam, {params / 1e6:,.1f}M params in {adam_s * 1e3:,.1f} ms"
             + (f", {threads:.0f} thread(s)" if threads else ""),
+        )
+    up_b, up_cpu = _pos(raw, "upload", "bytes"), _pos(raw, "upload", "cpu_s")
+    if up_b and up_cpu:
+        out["upload_cpu"] = measured(
+            up_b / up_cpu, "B/s", f"{src}: a {up_b / 2**20:,.0f} MiB put to the store took {up_cpu:,.2f} CPU-s"
         )
     disk_bps = _pos(raw, "disk", "bytes_per_s")
     if disk_bps:

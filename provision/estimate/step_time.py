@@ -12,6 +12,9 @@ DeepSpeed ZeRO-1/2 (per rank r of n, grad_accum a, P params, w bytes per 16-bit 
   param gather   P x w / all-gather rate: every rank's updated partition to every rank
   framework      a x per-micro-step + per-step fixed cost of DeepSpeed's engine (hooks, bucketing, norms)
   checkpoint     save bytes on the node / disk write rate, amortised over checkpoint_every steps
+  upload cpu     the same bytes / the uploader's bytes per CPU-second, amortised alike: with an offloaded
+                 optimizer CPU Adam runs on every core, so the upload's CPU time (it overlaps the next
+                 steps) comes out of theirs (an upper bound); without offload it uses idle cores: 0
 FSDP2 (trainer/fsdp_engine.py): per micro-step the parameters are all-gathered for forward and again for
 backward (16-bit, P x 2 each) and the fp32 gradients reduce-scattered (P x 4); with CPU offload the shards
 cross the host link both ways (2 x P/n x 4 in, P/n x 4 out) and the optimizer steps on the CPU.
@@ -137,6 +140,15 @@ def step_model(
             "B",
             rates.disk,
             f"{save_bytes / 1e9:,.2f} GB per save / {every or '-'} steps",
+        )
+    )
+    terms.append(
+        _term(
+            "upload cpu",
+            save_bytes / every if every and offload else 0,
+            "B",
+            rates.upload_cpu,
+            "the save's upload, competing with CPU Adam for the cores" if offload else "no offload: idle cores",
         )
     )
     global_tokens = tokens * a * n
