@@ -5,7 +5,8 @@ runs with the node's python, or in the image under runtime docker), time the nod
 this one, send the request on stdin (the storage credentials ride there, never argv or a file),
 read back one JSON line of facts, and judge it against what gpuctl.yaml and `gpuctl plan` say
 the run needs (provision/estimate/doctor.py). The result goes in the cluster record: `status`
-shows it and `train` refuses a node whose checks failed unless --force.
+shows it and `train` refuses a node whose checks failed unless --force. A full doctor on several
+nodes adds one all-reduce across them all (internode_check, below).
 """
 
 from __future__ import annotations
