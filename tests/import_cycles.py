@@ -1,7 +1,8 @@
 """The arrows between gpuctl's own modules, and the cycles among them.
 
 `python tests/import_cycles.py` prints every mutual pair (A imports B and B imports A) and every
-longer cycle in provision/ and trainer/; tests/test_import_graph.py fails on any of them.
+longer cycle in provision/ and trainer/; tests/test_layout.py fails on any of them.
+`python tests/import_cycles.py --types` counts the `if TYPE_CHECKING:` imports too (for information).
 
 An arrow is any import statement that runs: at module level or inside a function (a lazy import
 still ties the two modules together). Imports under `if TYPE_CHECKING:` are left out: they never
@@ -35,16 +36,17 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _import_nodes(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import statement that can run: `if TYPE_CHECKING:` bodies are skipped (their else kept)."""
+def _import_nodes(tree: ast.AST, types: bool = False) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement that can run: `if TYPE_CHECKING:` bodies are skipped (their else kept)
+    unless `types`."""
     for child in ast.iter_child_nodes(tree):
-        if isinstance(child, ast.If) and _is_type_checking(child.test):
+        if not types and isinstance(child, ast.If) and _is_type_checking(child.test):
             for stmt in child.orelse:
                 yield from _import_nodes(ast.Module(body=[stmt], type_ignores=[]))
             continue
         if isinstance(child, ast.Import | ast.ImportFrom):
             yield child
-        yield from _import_nodes(child)
+        yield from _import_nodes(child, types)
 
 
 def _resolve(name: str, known: dict[str, Path]) -> str | None:
@@ -56,11 +58,11 @@ def _resolve(name: str, known: dict[str, Path]) -> str | None:
     return None
 
 
-def arrows_of(module: str, path: Path, known: dict[str, Path]) -> dict[str, int]:
+def arrows_of(module: str, path: Path, known: dict[str, Path], types: bool = False) -> dict[str, int]:
     """{imported project module: first line that imports it} for one module (itself excluded)."""
     found: dict[str, int] = {}
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in _import_nodes(ast.parse(path.read_text())):
+    for node in _import_nodes(ast.parse(path.read_text()), types):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         else:
@@ -77,9 +79,9 @@ def arrows_of(module: str, path: Path, known: dict[str, Path]) -> dict[str, int]
     return found
 
 
-def import_graph(root: Path = ROOT) -> dict[str, dict[str, int]]:
+def import_graph(root: Path = ROOT, types: bool = False) -> dict[str, dict[str, int]]:
     known = project_modules(root)
-    return {module: arrows_of(module, path, known) for module, path in known.items()}
+    return {module: arrows_of(module, path, known, types) for module, path in known.items()}
 
 
 def mutual_pairs(graph: dict[str, dict[str, int]]) -> list[tuple[str, str]]:
@@ -127,7 +129,7 @@ def describe(graph: dict[str, dict[str, int]], a: str, b: str) -> str:
 
 
 def main() -> int:
-    graph = import_graph()
+    graph = import_graph(types="--types" in sys.argv[1:])
     pairs = mutual_pairs(graph)
     print(f"{len(pairs)} mutual pairs")
     for a, b in pairs:

@@ -125,7 +125,7 @@ def test_the_cycle_checks_see_a_cycle(tmp_path):
     assert mutual_pairs(graph) == [("provision.a", "provision.b")]
     assert describe(graph, "provision.a", "provision.b") == "provision.a (line 2) <-> provision.b (line 1)"
     assert cycles(graph) == [["provision.a", "provision.b"], ["provision.c", "provision.d", "provision.e"]]
-    assert graph["provision.f"] == {}
+    assert graph["provision.f"] == {} and import_graph(tmp_path, types=True)["provision.f"] == {"provision.a": 3}
 
 
 @pytest.mark.parametrize("entry", ["import provision.cli.app", "import provision.cli"])
