@@ -26,7 +26,7 @@ from provision.core.config import load_config
 from provision.core.errors import ProviderError
 from provision.providers import abort, cloud
 from provision.providers.base import UpOptions
-from provision.transport.ssh import connect
+from provision.transport.ssh import channel
 from tests.fakes.base import SshTarget
 from tests.fakes.harness import node_fields, wait_until, write_config
 from tests.fakes.tcp_proxy import TcpProxy
@@ -326,7 +326,7 @@ def test_a_channel_request_without_answer_times_out(sshd, request_name):
         try:
             started = time.monotonic()
             with pytest.raises(TimeoutError):
-                connect.answered_within(chan, send, 1.0)
+                channel.answered_within(chan, send, 1.0)
             assert time.monotonic() - started < 5
         finally:
             release.set()

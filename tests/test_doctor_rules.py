@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from provision.estimate import nvsmi
-from provision.estimate.doctor import Needs, judge
+from provision.estimate.doctor import judge
+from provision.estimate.doctor_rows import Needs
 
 DATA = Path(__file__).parent / "data" / "nvidia_smi"
 RTX40_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1"}

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from rich.console import Console
 
 from provision.cli.live import figures
-from provision.cli.runview import step_line, summary_lines
+from provision.cli.run_text import step_line, summary_lines
 from provision.core.config import GpuctlConfig
 from provision.flows.render import fp16_scale_power, render_ds_config
 from provision.flows.watch import Update

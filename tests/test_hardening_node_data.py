@@ -29,7 +29,8 @@ from typer.testing import CliRunner
 
 from provision.cli import live
 from provision.cli.app import app
-from provision.cli.runview import PlainSink, summary_lines
+from provision.cli.run_text import summary_lines
+from provision.cli.runview import PlainSink
 from provision.core import state
 from provision.core.config import load_config
 from provision.flows import cluster, job, nodedata

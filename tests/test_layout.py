@@ -1,6 +1,7 @@
 """The house keeps its shape: imports point down (cli -> flows -> providers -> transport ->
-estimate -> core), the laptop side never imports the node side's heavy packages, and the
-CLI starts without boto3, paramiko, fabric or torch."""
+estimate -> core) and, within a room, run one way (no two modules import each other), the laptop
+side never imports the node side's heavy packages, and the CLI starts without boto3, paramiko,
+fabric or torch."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.import_cycles import cycles, describe, import_graph, mutual_pairs
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ["core", "estimate", "transport", "providers", "flows", "cli"]  # lowest first
@@ -80,6 +83,49 @@ def test_the_walker_sees_an_upward_import(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("def f():\n    from provision.flows import job\n")
     assert layer_of(imports_of(probe)[0][1]) == LAYERS.index("flows") > LAYERS.index("core")
+
+
+ONE_WAY = (
+    "let one of them own what both need (move it there, or into a small module both import) so the "
+    "import runs one way; `python tests/import_cycles.py` lists every arrow's line"
+)
+
+
+def test_no_two_modules_import_each_other():
+    """A lazy (function-level) import counts: it still ties the two modules together. Imports under
+    `if TYPE_CHECKING:` do not (they never run); see tests/import_cycles.py."""
+    graph = import_graph()
+    pairs = [describe(graph, a, b) for a, b in mutual_pairs(graph)]
+    assert pairs == [], f"these modules import each other: {'; '.join(pairs)}: {ONE_WAY}"
+
+
+def test_no_import_cycles():
+    """Nor around a longer loop (a -> b -> c -> a), in provision/ and trainer/."""
+    loops = ["{" + ", ".join(group) + "}" for group in cycles(import_graph())]
+    assert loops == [], f"each group imports itself around a loop: {'; '.join(loops)}: {ONE_WAY}"
+
+
+def test_the_cycle_checks_see_a_cycle(tmp_path):
+    """The checks above can fail: a lazy import back is a mutual pair, three modules make a loop,
+    a relative import counts, and an import under TYPE_CHECKING does not."""
+    tree = {
+        "provision/__init__.py": "",
+        "provision/a.py": "def f():\n    from provision import b\n",
+        "provision/b.py": "from provision.a import f\n",
+        "provision/c.py": "from . import d\n",
+        "provision/d.py": "import provision.e\n",
+        "provision/e.py": "from provision.c import x\n",
+        "provision/f.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from provision import a\n",
+        "trainer/__init__.py": "",
+    }
+    for rel, text in tree.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    graph = import_graph(tmp_path)
+    assert mutual_pairs(graph) == [("provision.a", "provision.b")]
+    assert describe(graph, "provision.a", "provision.b") == "provision.a (line 2) <-> provision.b (line 1)"
+    assert cycles(graph) == [["provision.a", "provision.b"], ["provision.c", "provision.d", "provision.e"]]
+    assert graph["provision.f"] == {} and import_graph(tmp_path, types=True)["provision.f"] == {"provision.a": 3}
 
 
 @pytest.mark.parametrize("entry", ["import provision.cli.app", "import provision.cli"])

@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 from provision.cli.app import app
 from provision.core import state
 from provision.core.checks import DoctorResult
-from provision.estimate.doctor import Needs, judge
+from provision.estimate.doctor import judge
+from provision.estimate.doctor_rows import Needs
 from provision.estimate.doctor_speed import raw_rates
 from provision.estimate.forecast import compare, compare_lines, measured_means
 from provision.estimate.plan import PlanInput, plan

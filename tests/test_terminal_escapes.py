@@ -19,7 +19,8 @@ from typer.testing import CliRunner
 
 from provision.cli import live
 from provision.cli.app import app
-from provision.cli.runview import PlainSink, summary_lines, summary_of
+from provision.cli.run_text import summary_lines, summary_of
+from provision.cli.runview import PlainSink
 from provision.core import state
 from provision.core.terminal import scrub
 from provision.flows.job import RunStatus

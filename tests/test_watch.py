@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from provision.cli.live import sparkline
-from provision.cli.runview import PlainSink, step_line, summary_lines
+from provision.cli.run_text import step_line, summary_lines
+from provision.cli.runview import PlainSink
 from provision.core import state
 from provision.flows.job import RunStatus
 from provision.flows.watch import RunInfo, Tail, Update, WatchState, alert_line

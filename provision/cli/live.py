@@ -19,11 +19,11 @@ from rich.spinner import Spinner
 from rich.table import Table
 from rich.text import Text
 
-from provision.cli.runview import (
-    _duration,
-    _num,
+from provision.cli.run_text import (
     checkpoint_text,
+    duration,
     no_mfu,
+    num,
     scale_text,
     summary_lines,
     superseded_text,
@@ -86,7 +86,7 @@ def progress(st: WatchState, started: float) -> Table:
         ProgressBar(total=max(total, 1), completed=step, width=40),
         Text(f"{step}/{total} steps", style="bold"),
         Text(f"{100 * step / max(total, 1):.0f}%"),
-        Text(f"elapsed {_duration(time.time() - started)}  ETA {_duration(eta_s(st))}", style="dim"),
+        Text(f"elapsed {duration(time.time() - started)}  ETA {duration(eta_s(st))}", style="dim"),
     )
     return row
 
@@ -98,11 +98,11 @@ def figures(st: WatchState) -> Table:
     grid.add_column()
     losses = [m["loss"] for m in st.metrics if isinstance(m.get("loss"), (int, float))]
     first = f"  (first {losses[0]:.4f})" if len(losses) > 1 else ""
-    grid.add_row("loss", Text.assemble((_num(last.get("loss"), ".4f"), "bold green"), "  ", sparkline(losses), first))
+    grid.add_row("loss", Text.assemble((num(last.get("loss"), ".4f"), "bold green"), "  ", sparkline(losses), first))
     grid.add_row(
         "tokens/s",
-        f"{_num(last.get('tokens_per_s'), ',.0f')}   step time {_num(last.get('step_time_s'), '.2f')} s   "
-        f"MFU {_num(100 * last['mfu'] if isinstance(last.get('mfu'), (int, float)) else None, '.1f', 'n/a')}"
+        f"{num(last.get('tokens_per_s'), ',.0f')}   step time {num(last.get('step_time_s'), '.2f')} s   "
+        f"MFU {num(100 * last['mfu'] if isinstance(last.get('mfu'), (int, float)) else None, '.1f', 'n/a')}"
         + ("%" if isinstance(last.get("mfu"), (int, float)) else no_mfu(st)[3:]),
     )
     planned = plan_text(st)
@@ -145,7 +145,7 @@ def cost_text(info: RunInfo) -> str:
     text = f"${cost:.2f} so far at ${c.price_per_hour:.3f}/h" if cost is not None and c else "$0 (no hourly price)"
     if left is not None and c is not None:
         money = f", ${c.price_per_hour * left / 3600:.2f}" if c.price_per_hour else ""
-        text += f"   budget left {_duration(max(left, 0))}{money}"
+        text += f"   budget left {duration(max(left, 0))}{money}"
     else:
         text += "   no budget cap"
     return text
@@ -153,9 +153,9 @@ def cost_text(info: RunInfo) -> str:
 
 def phase_row(phase: Phase) -> RenderableType:
     took = time.time() - phase.started
-    expect = f" / about {_duration(phase.expect_s)}" if phase.expect_s else ""
+    expect = f" / about {duration(phase.expect_s)}" if phase.expect_s else ""
     detail = f": {phase.detail}" if phase.detail else ""
-    return Spinner("dots", Text.assemble((phase.name, "bold"), detail, (f"  {_duration(took)}{expect}", "dim")))
+    return Spinner("dots", Text.assemble((phase.name, "bold"), detail, (f"  {duration(took)}{expect}", "dim")))
 
 
 def screen(st: WatchState, started: float) -> RenderableType:

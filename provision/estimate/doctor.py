@@ -7,61 +7,19 @@ is read through a type check, and a missing or odd one reads as "not measured".
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 from provision.core.checks import CheckRow, Status
+from provision.estimate.doctor_rows import GB, Needs, Rows, get, num
 
-GB = 1e9
 MIN_SHM_GB = 1.0  # NCCL's per-peer buffers and the DataLoader's tensors; docker's default is 64 MB
 CORES_PER_RANK = 2  # CPU Adam on a rank's partition wants cores of its own
 CLOCK_WARN_S, CLOCK_FAIL_S = 5.0, 300.0  # S3 refuses requests signed 15 minutes off; logs mislead well before
 MIN_STORE_MBPS = 20.0  # below this a 7B checkpoint (97 GB per node) takes over 80 minutes to upload
 
 
-@dataclass
-class Needs:
-    """What the run needs of each node, from gpuctl.yaml and `gpuctl plan`."""
-
-    ranks: int
-    accelerator: str  # cpu | cuda
-    gpu: str | None = None  # the configured model (cloud offers), None: any
-    ram_gb: float | None = None  # plan's host RAM (worst phase + OS reserve); None: model unknown to plan
-    disk_gb: float | None = None  # plan's checkpoints (keep_local + 1) and model download
-    offload: bool = False  # CPU Adam runs on the host
-    rank_env: dict[str, str] = field(default_factory=dict)
-    runtime: str = "none"
-    storage: bool = True
-    quick: bool = True
-
-
-def get(facts: Any, *path: str) -> Any:
-    for key in path:
-        facts = facts.get(key) if isinstance(facts, dict) else None
-    return facts
-
-
-def num(facts: Any, *path: str) -> float | None:
-    value = get(facts, *path)
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
 def _gb(nbytes: float) -> str:
     return f"{nbytes / GB:,.1f} GB"
-
-
-class Rows:
-    """Collects the rows of one node."""
-
-    def __init__(self, node: str) -> None:
-        self.node = node
-        self.rows: list[CheckRow] = []
-
-    def add(self, check: str, value: str, expected: str, status: Status, fix: str = "") -> None:
-        self.rows.append(CheckRow(check=check, node=self.node, value=value, expected=expected, status=status, fix=fix))
-
-    def na(self, check: str, why: str) -> None:
-        self.add(check, why, "-", "n/a")
 
 
 # --- host --------------------------------------------------------------------------------------

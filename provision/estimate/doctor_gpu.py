@@ -11,7 +11,7 @@ from typing import Any
 
 from provision.core.checks import Status
 from provision.estimate import nvsmi, xid
-from provision.estimate.doctor import Needs, Rows, get
+from provision.estimate.doctor_rows import Needs, Rows, get
 
 RTX40 = re.compile(r"RTX 40\d0")
 

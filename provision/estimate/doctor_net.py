@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from provision.core.checks import CheckRow
-from provision.estimate.doctor import GB, get, num
+from provision.estimate.doctor_rows import GB, get, num
 
 LINK_SHARE = 0.5  # NCCL over sockets or RoCE reaches well above half the wire; less means something is off
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from provision.estimate.doctor import Needs, Rows, get, num
+from provision.estimate.doctor_rows import Needs, Rows, get, num
 
 SHAPE: dict[str, tuple[str, ...]] = {
     "compute": ("seconds", "micro_batch", "seq_len", "layers", "checkpointing"),

@@ -6,7 +6,8 @@ import math
 from typing import TYPE_CHECKING, Literal
 
 from provision.estimate.hardware import GB
-from provision.estimate.node import PROCESS_GB, Term, collective_timeout_s
+from provision.estimate.node import collective_timeout_s, node_requirements
+from provision.estimate.node_terms import PROCESS_GB, NodeRequirements, Term
 
 if TYPE_CHECKING:
     from provision.estimate.plan import PlanResult
@@ -111,13 +112,13 @@ def host_lines(r: PlanResult) -> list[str]:
         pow2 = _with(r, "pow2")
         lines.append(
             f"Pinned: {node.pinned_gb:.1f} GB per node; torch's default power-of-two rounding would pin "
-            f"{pow2.node.pinned_alloc_gb:.1f} GB and need {math.ceil(pow2.node.ram_gb)} GB of RAM."
+            f"{pow2.pinned_alloc_gb:.1f} GB and need {math.ceil(pow2.ram_gb)} GB of RAM."
         )
     if inp.resume_mmap:
         old = _with(r, resume_mmap=False)
         lines.append(
             f"Resume memory-maps the checkpoint files (torch.load mmap): {node.resume_gb:.1f} GB at that moment "
-            f"instead of {old.node.resume_gb:.1f} GB with every rank reading its whole shard into RAM."
+            f"instead of {old.resume_gb:.1f} GB with every rank reading its whole shard into RAM."
         )
     lines.append(
         f"Disk per node: {math.ceil(node.disk_gb)} GB = {_terms(node.disk)}; the trainer never lets saves that are "
@@ -139,13 +140,12 @@ def host_lines(r: PlanResult) -> list[str]:
 
 def _with(
     r: PlanResult, pinning: Literal["exact", "off", "pow2"] | None = None, resume_mmap: bool | None = None
-) -> PlanResult:
-    """The same plan with pinning or resume_mmap changed (for the comparisons above)."""
+) -> NodeRequirements:
+    """The node of the same plan with pinning or resume_mmap changed (for the comparisons above): what
+    plan's evaluation would give as its `.node`, without evaluating the rest of the plan."""
     from dataclasses import replace
-
-    from provision.estimate.plan import _evaluate
 
     inp = r.input
     inp = replace(inp, pinning=pinning) if pinning is not None else inp
     inp = replace(inp, resume_mmap=resume_mmap) if resume_mmap is not None else inp
-    return _evaluate(inp)
+    return node_requirements(inp)

@@ -16,10 +16,10 @@ ZeRO-2 + offload when the optimizer does and a rank cannot hold one 16-bit copy 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
+from provision.estimate.fsdp_node import shard_numels
 from provision.estimate.hardware import GB, ModelDims
 from provision.estimate.plan import PlanInput, PlanResult, _activation_bytes
 
@@ -50,16 +50,6 @@ class FsdpMemory:
     def host_gb(self) -> float:
         """Host RAM this rank's offloaded states take (0 without offload)."""
         return self.states_gb if self.offloaded else 0.0
-
-
-def shard_numels(m: ModelDims, world: int) -> list[int]:
-    """Elements of each of one rank's parameter shards: every parameter's dim 0 padded to a multiple of
-    `world` (FSDP2 pins and offloads each parameter's shard as its own tensor)."""
-    kv_dim = (m.kv_heads or m.heads) * (m.hidden // m.heads)
-    h, i = m.hidden, m.intermediate
-    rows_cols = [(h, h), (kv_dim, h), (kv_dim, h), (h, h), (i, h), (i, h), (h, i), (h, 1), (h, 1)] * m.layers
-    rows_cols += [(m.vocab, h), (h, 1)] + ([] if m.tied_embeddings else [(m.vocab, h)])
-    return [math.ceil(rows / world) * cols for rows, cols in rows_cols]
 
 
 def sharded_numel(m: ModelDims, world: int) -> int:

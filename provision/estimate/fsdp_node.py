@@ -17,14 +17,24 @@ Without offload the shards live on the GPUs: the host keeps the processes (and t
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
-from provision.estimate.fsdp import shard_numels
-from provision.estimate.hardware import GB
-from provision.estimate.node import OS_RESERVE_GB, PROCESS_GB, NodeRequirements, Term, disk_terms, pow2
+from provision.estimate.hardware import GB, ModelDims
+from provision.estimate.node_terms import OS_RESERVE_GB, PROCESS_GB, NodeRequirements, Term, disk_terms, pow2
 
 if TYPE_CHECKING:
     from provision.estimate.plan import PlanInput
+
+
+def shard_numels(m: ModelDims, world: int) -> list[int]:
+    """Elements of each of one rank's parameter shards: every parameter's dim 0 padded to a multiple of
+    `world` (FSDP2 pins and offloads each parameter's shard as its own tensor)."""
+    kv_dim = (m.kv_heads or m.heads) * (m.hidden // m.heads)
+    h, i = m.hidden, m.intermediate
+    rows_cols = [(h, h), (kv_dim, h), (kv_dim, h), (h, h), (i, h), (i, h), (h, i), (h, 1), (h, 1)] * m.layers
+    rows_cols += [(m.vocab, h), (h, 1)] + ([] if m.tied_embeddings else [(m.vocab, h)])
+    return [math.ceil(rows / world) * cols for rows, cols in rows_cols]
 
 
 def fsdp_node_requirements(inp: PlanInput) -> NodeRequirements:

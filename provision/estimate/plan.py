@@ -46,7 +46,8 @@ from provision.estimate.hardware import (
     zero2_model_states_mem,
     zero3_model_states_mem,
 )
-from provision.estimate.node import NodeRequirements, collective_timeout_s, node_requirements, node_to_json
+from provision.estimate.node import collective_timeout_s, node_requirements
+from provision.estimate.node_terms import NodeRequirements, node_to_json
 
 # Input bounds: far beyond any real run, tight enough that no figure overflows or turns NaN.
 INT_LIMITS = {

@@ -17,7 +17,7 @@ from provision.estimate.hardware import KNOWN_MODELS, PlanError
 if TYPE_CHECKING:
     from provision.core.config import GpuctlConfig
     from provision.core.provider_config import CloudProvider
-    from provision.estimate.node import NodeRequirements
+    from provision.estimate.node_terms import NodeRequirements
 
 
 def plan_input(cfg: GpuctlConfig | None) -> dict[str, Any]:

@@ -5,7 +5,8 @@ runs with the node's python, or in the image under runtime docker), time the nod
 this one, send the request on stdin (the storage credentials ride there, never argv or a file),
 read back one JSON line of facts, and judge it against what gpuctl.yaml and `gpuctl plan` say
 the run needs (provision/estimate/doctor.py). The result goes in the cluster record: `status`
-shows it and `train` refuses a node whose checks failed unless --force.
+shows it and `train` refuses a node whose checks failed unless --force. A full doctor on several
+nodes adds one all-reduce across them all (internode_check, below).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,8 @@ from provision.core.checks import CheckRow, DoctorResult
 from provision.core.config import GpuctlConfig, TrainConfig
 from provision.core.errors import ConfigError, GpuctlError, RemoteError
 from provision.core.provider_config import CloudProvider
-from provision.estimate.doctor import Needs, judge
+from provision.estimate.doctor import judge
+from provision.estimate.doctor_rows import Needs
 from provision.providers import backend
 from provision.transport.remote import Node
 
@@ -204,6 +207,63 @@ def check_node(
     return judge(rec.host, facts, needs, offset)
 
 
+# --- across nodes: one all-reduce over every rank of every node, as the run meets -----------------------
+# Every node already holds the trainer package (run_checks shipped it to <workdir>/doctor/lib). Each node runs
+# `python -m trainer.doctor_allreduce` at the same time, from its own thread here: its ranks take global ranks
+# after the nodes before it and meet at the first node's address (the private one where the provider has it, as
+# `train` renders --master_addr), on a port picked here. The rank env of the run (NCCL_*, GLOO_*) goes in the
+# request, so the collective takes the same path.
+INTERNODE_TIMEOUT_S = 600  # torch import and process start on every node, then the rendezvous (120 s at most)
+INTERNODE_PORTS = (30000, 10000)  # first port, how many to pick from: away from DeepSpeed's 29500
+
+
+def _internode_requests(cfg: GpuctlConfig, cluster: state.ClusterRecord) -> list[dict[str, Any]]:
+    recs = cluster.nodes
+    addresses = [r.private_address or r.address for r in recs]
+    offsets = [0, *accumulate(r.slots for r in recs)]
+    env = needs_of(cfg, cluster, recs[0], quick=False).rank_env
+    port = INTERNODE_PORTS[0] + secrets.randbelow(INTERNODE_PORTS[1])
+    return [
+        {
+            "env": env,
+            "ranks": rec.slots,
+            "rank_offset": offsets[i],
+            "world": offsets[-1],
+            "master_addr": addresses[0],
+            "master_port": port,
+            "peer": addresses[1] if i == 0 else addresses[0],  # the link the ring's inter-node hop takes
+            "accelerator": rec.accelerator,
+            "allreduce_mb": ALLREDUCE_MB,
+        }
+        for i, rec in enumerate(recs)
+    ]
+
+
+def _internode_one(cfg: GpuctlConfig, cluster: state.ClusterRecord, i: int, node: Node, request: dict[str, Any]) -> Any:
+    rec = cluster.nodes[i]
+    argv = node_argv(cfg, cluster, rec, f"{rec.workdir.rstrip('/')}/doctor", module="trainer.doctor_allreduce")
+    try:
+        return remote_facts(node, argv, request, INTERNODE_TIMEOUT_S)
+    except RemoteError as exc:
+        return exc.message[:300]
+
+
+def internode_check(cfg: GpuctlConfig, cluster: state.ClusterRecord, nodes: list[Node]) -> CheckRow:
+    """Start the benchmark on every node at once and judge what they report."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from provision.estimate.doctor_net import internode_row
+
+    requests = _internode_requests(cfg, cluster)
+    with ThreadPoolExecutor(max_workers=len(nodes)) as pool:
+        futures = [
+            pool.submit(_internode_one, cfg, cluster, i, node, req)
+            for i, (node, req) in enumerate(zip(nodes, requests, strict=True))
+        ]
+        facts = [f.result() for f in futures]
+    return internode_row([r.host for r in cluster.nodes], facts, cluster.nodes[0].accelerator)
+
+
 def run_checks(
     cfg: GpuctlConfig, cluster: state.ClusterRecord, *, quick: bool, say: Callable[[str], None] = print
 ) -> DoctorResult:
@@ -222,8 +282,6 @@ def run_checks(
             for rec, node in zip(cluster.nodes, nodes, strict=True):
                 rows += check_node(cfg, cluster, rec, node, Path(tmp), quick, rates)
             if not quick and len(nodes) > 1:  # the package is on every node now
-                from provision.flows.doctor_internode import internode_check
-
                 say(f"all-reduce across {len(nodes)} nodes")
                 rows.append(internode_check(cfg, cluster, nodes))
         finally:

@@ -206,11 +206,9 @@ def render_bundle(cfg: GpuctlConfig, spec: BundleSpec, out_dir: Path) -> Path:
         ssh_config=spec.ssh_config if len(spec.nodes) > 1 else None,
     )
     templates = dict(TEMPLATES)
-    if cfg.train.strategy == "fsdp":  # torchrun instead of DeepSpeed's runner (provision/flows/torchrun.py)
-        from provision.flows.torchrun import SCRIPT, TEMPLATE, torchrun_context
-
+    if cfg.train.strategy == "fsdp":  # torchrun instead of DeepSpeed's runner (torchrun_context below)
         context.update(torchrun_context(spec))
-        templates[SCRIPT] = TEMPLATE
+        templates[TORCHRUN_SCRIPT] = TORCHRUN_TEMPLATE
     jinja = template_env(cfg.base_dir)
     for name, template in templates.items():
         try:
@@ -225,6 +223,28 @@ def render_bundle(cfg: GpuctlConfig, spec: BundleSpec, out_dir: Path) -> Path:
         atomic_write(out_dir / SECRETS_FILE, secrets_text(spec.secrets), 0o600)
     _ship_trainer(out_dir / "lib" / "trainer")
     return out_dir
+
+
+# train.strategy fsdp: the bundle launches torchrun (templates/torchrun.sh.j2) instead of DeepSpeed's runner.
+# launch.sh stays the same job script (status.json, job.log, cancel by process group); only the command it
+# starts differs: `bash torchrun.sh --master_port P`. torchrun.sh holds what the hostfile holds for DeepSpeed
+# (every node, its slots, the rendezvous address) and starts one torchrun per node.
+TORCHRUN_TEMPLATE = "torchrun.sh.j2"
+TORCHRUN_SCRIPT = "torchrun.sh"
+
+
+def torchrun_context(spec: BundleSpec) -> dict[str, Any]:
+    """What launch.sh.j2 and torchrun.sh.j2 need for an fsdp run."""
+    script = f"{spec.run_dir}/{TORCHRUN_SCRIPT}"
+    return {
+        "launcher": ["bash", script],  # launch.sh appends --master_port "$MASTER_PORT"
+        "script": [],
+        "torchrun": [*spec.launcher_prefix, spec.python, "-u", "-m", "torch.distributed.run"],
+        "trainer_args": ["--module", "trainer", "run.json"],
+        "master_addr": spec.master_addr,
+        # the command each other node's shell runs (ssh appends the port)
+        "remote": [shlex.join(["bash", script, "--node", str(rank)]) for rank in range(1, len(spec.nodes))],
+    }
 
 
 def secrets_text(values: dict[str, str]) -> str:

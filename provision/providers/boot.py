@@ -26,8 +26,9 @@ def wait_ready(
     node: NodeRecord,
     deadline: float,
     say: Callable[[str], None],
+    poll_s: float,
 ) -> None:
-    from provision.providers import cloud
+    """`poll_s`: between looks at the vendor and SSH (the backend's, cloud.POLL_S, read at each call)."""
     from provision.transport.ssh.connect import ConnectError, HostKeyRefused, wait_for_ssh
 
     kind = backend.kind
@@ -52,7 +53,7 @@ def wait_ready(
                 f"{kind} instance {node.instance_id} still {inst.state!r} after {prov.ready_timeout:.0f}s",
                 "raise provider.ready_timeout or retry",
             )
-        time.sleep(cloud.POLL_S)
+        time.sleep(poll_s)
     node.address, node.port, node.user = inst.address, inst.port, inst.user
     node.price_per_hour = inst.price_per_hour or node.price_per_hour  # the bill, not the offer's estimate
     node.private_address = inst.private_address
@@ -69,7 +70,7 @@ def wait_ready(
                 if time.monotonic() > deadline or isinstance(exc, HostKeyRefused):
                     raise
                 say(f"waiting for SSH login: {exc.message}")
-                time.sleep(cloud.POLL_S)
+                time.sleep(poll_s)
         probe(kind, prov, node, ssh, home, say)
         if cluster.runtime == "bootstrap":  # the node side over the vendor's PyTorch image
             from provision.providers.bootstrap import install

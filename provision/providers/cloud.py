@@ -336,7 +336,7 @@ class CloudBackend(ProviderBackend):
         """Wait until one booting node is usable (`up`, and `replace_node` for a new node): see boot.py."""
         from provision.providers.boot import wait_ready
 
-        wait_ready(self, prov, cluster, node, deadline, say)
+        wait_ready(self, prov, cluster, node, deadline, say, POLL_S)
 
     def check_not_excluded(self, cluster: ClusterRecord, node: NodeRecord, exclude: set[str]) -> None:
         """A vendor that places a pod itself (runpod) may put it on a host this run lost."""

@@ -85,7 +85,7 @@ def _local(argv: list[str], chunks: Iterable[bytes], on_bytes: ByteSink | None) 
 def _ssh(node: SSHNode, argv: list[str], chunks: Iterable[bytes], on_bytes: ByteSink | None) -> CommandResult:
     import paramiko
 
-    from provision.transport.ssh.connect import answered_within
+    from provision.transport.ssh.channel import answered_within
 
     command = shlex.join(str(a) for a in argv)
     lost = (paramiko.SSHException, OSError, EOFError)  # a node that never answers the exec: TimeoutError

@@ -8,10 +8,6 @@
     timeout, no banner yet; never for a jump host, which does not boot with the node).
     ``close_chain(conn)`` closes it and its gateways.
 
-``answered_within(chan, request, seconds)``
-    Send a channel request whose answer paramiko waits for without a timeout (exec_command,
-    invoke_subsystem); the channel is closed after ``seconds``, which ends the wait (TimeoutError).
-
 ``wait_for_ssh(address, port, deadline, *, say=None, probe_timeout=5.0) -> str``
     Poll until an SSH server answers on address:port with its banner (``SSH-2.0-...``, not
     merely an open TCP port: a cloud node's port forwarder accepts long before sshd runs).
@@ -24,7 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +30,7 @@ import paramiko
 from provision.core import interrupt
 from provision.core.errors import RemoteError
 from provision.core.ssh_route import SSHRoute
+from provision.transport.ssh.channel import DEFAULT_CONNECT_TIMEOUT
 from provision.transport.ssh.hostkeys import KnownHostsMismatch, PinPolicy, UnknownHostKey, known_hosts_path
 
 if TYPE_CHECKING:
@@ -45,7 +41,6 @@ if TYPE_CHECKING:
 if os.environ.get("GPUCTL_DEBUG", "") in ("", "0"):
     logging.getLogger("paramiko").setLevel(logging.CRITICAL + 1)
 
-DEFAULT_CONNECT_TIMEOUT = 15.0
 KEEPALIVE_S = 15
 
 
@@ -139,7 +134,7 @@ def _fabric_config() -> object:
     lists in the other order) and a remote runner whose exec request cannot hang for good."""
     from fabric import Config
 
-    from provision.transport.ssh.group import BoundedRemote
+    from provision.transport.ssh.runner import BoundedRemote
 
     return Config(overrides={"load_ssh_configs": False, "runners": {"remote": BoundedRemote}})
 
@@ -321,29 +316,3 @@ def _read_banner(sock: socket.socket) -> str:
         if line.startswith("SSH-"):
             return line.strip()
     return data.decode("latin-1").strip()
-
-
-def answered_within(chan: paramiko.Channel, request: Callable[[], object], seconds: float) -> None:
-    """Send a channel request that waits for the server's answer with no timeout of its own
-    (paramiko's exec_command, invoke_subsystem). A node that stalls there would hold gpuctl
-    for good, so the channel is closed after `seconds`, which ends the wait: TimeoutError."""
-    stalled = threading.Event()
-
-    def give_up() -> None:
-        stalled.set()
-        try:
-            chan.close()
-        except (paramiko.SSHException, OSError, EOFError):
-            pass  # the connection is gone too: paramiko wakes the wait itself then
-
-    timer = threading.Timer(seconds, give_up)
-    timer.daemon = True
-    timer.start()
-    try:
-        request()
-    except paramiko.SSHException:
-        if stalled.is_set():
-            raise TimeoutError from None
-        raise
-    finally:
-        timer.cancel()

@@ -6,9 +6,6 @@ Connections (their host keys pinned, their jump hosts in place).
     results in the nodes' order. A node that fails (exit code with check, a timeout, a lost
     connection) is one RemoteError naming it; the others still ran to the end. Nodes that are
     not SSHNodes (this machine) run one after the other.
-
-``BoundedRemote``: fabric's remote runner, except that the exec request is answered within a
-bound (paramiko waits for that answer with no timeout; invoke's timeout starts only after it).
 """
 
 from __future__ import annotations
@@ -17,17 +14,8 @@ import shlex
 from collections.abc import Sequence
 from typing import Any
 
-from fabric.runners import Remote
-
 from provision.core.errors import RemoteError
 from provision.transport.remote import CommandResult, Node
-from provision.transport.ssh.connect import DEFAULT_CONNECT_TIMEOUT, answered_within
-
-
-class BoundedRemote(Remote):  # type: ignore[misc]  # fabric ships no type information
-    def send_start_message(self, command: str) -> None:
-        wait_s = float(self.context.connect_kwargs.get("timeout") or DEFAULT_CONNECT_TIMEOUT) + 30
-        answered_within(self.channel, lambda: self.channel.exec_command(command), wait_s)
 
 
 def run_on_all(nodes: Sequence[Node], argv: list[str], *, timeout: float, check: bool = True) -> list[CommandResult]:

@@ -37,13 +37,8 @@ from provision.core.errors import RemoteError
 from provision.core.ssh_route import SSHRoute
 from provision.transport.ignore import walk_shipped
 from provision.transport.remote import READ_BYTES, CommandResult, LineSink, Node, last_line_of, read_from, read_whole
-from provision.transport.ssh.connect import (
-    DEFAULT_CONNECT_TIMEOUT,
-    answered_within,
-    close_chain,
-    endpoint,
-    open_connection,
-)
+from provision.transport.ssh.channel import DEFAULT_CONNECT_TIMEOUT, answered_within
+from provision.transport.ssh.connect import close_chain, endpoint, open_connection
 from provision.transport.ssh.hostkeys import known_hosts_path, unpin
 from provision.transport.ssh.sftp_files import _sftp_makedirs, _sftp_mkdir, _sftp_put, _sftp_remove
 
