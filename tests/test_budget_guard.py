@@ -200,20 +200,16 @@ def test_no_run_at_all_the_node_still_goes_at_the_cap(project, fake, tmp_path):
     torn_down_at_the_cap(fake, record, tmp_path)
 
 
-def test_a_run_that_ends_early_does_not_take_the_cap_with_it(project, fake, tmp_path, monkeypatch):
+def test_runs_that_end_early_or_are_cancelled_do_not_take_the_cap_with_them(project, fake, tmp_path, monkeypatch):
+    """One cap wait for both (each ~20 s of idle): a run that ends well before the cap, then one that
+    is cancelled; the guard `up` started outlives both and still deletes the node at the cap."""
     record = capped_up(project, fake, tmp_path)
-    stand_in_runs(monkeypatch, "exit 0")
     cfg = load_config(project / "gpuctl.yaml")
+    stand_in_runs(monkeypatch, "exit 0")
     run = job.start_run(cfg, record, say=lambda _: None)
     status = job.follow(run, lambda _: None)
     assert status.state == "succeeded" and fake.instances  # ended well before the cap
-    torn_down_at_the_cap(fake, record, tmp_path)
-
-
-def test_a_cancelled_run_does_not_take_the_cap_with_it(project, fake, tmp_path, monkeypatch):
-    record = capped_up(project, fake, tmp_path)
     stand_in_runs(monkeypatch, "sleep 600 & wait")
-    cfg = load_config(project / "gpuctl.yaml")
     run = job.start_run(cfg, record, say=lambda _: None)
     wait_until(lambda: job.read_status(run, job.node_of(run)).state == "running", 30, "the run to start")
     assert job.cancel(run, grace_s=5)

@@ -18,7 +18,7 @@ import yaml
 from provision.core import state
 from provision.core.config import load_config
 from provision.core.errors import RemoteError
-from provision.flows import cluster
+from provision.flows import cluster, job
 from provision.providers import cloud
 from provision.providers.base import UpOptions
 from provision.providers.ssh_hosts import BACKEND as SSH_BACKEND
@@ -98,6 +98,7 @@ def test_down_terminates_paid_nodes_although_the_run_does_not_stop(project, vast
         saved_run(record.name, "20260101-000000-stck", pgid=stuck.pid, run_dir=str(tmp_path / "node" / "runs" / "x"))
         # a node whose kill does not take (ranks stuck in the kernel on a dying GPU): signals are lost
         monkeypatch.setattr(SSHNode, "signal_group", lambda self, pgid, sig="TERM": None)
+        monkeypatch.setattr(job, "KILL_REAP_S", 0.5)  # the reap wait after a KILL that never lands: 10 s idle
         said: list[str] = []
         started = time.monotonic()
         assert cluster.down(record.name, say=said.append, grace_s=1)
@@ -119,6 +120,7 @@ def test_down_still_refuses_to_walk_away_from_a_live_run_on_your_own_machine(pro
     try:
         saved_run(cfg.cluster_name, "20260101-000000-loca", pgid=stuck.pid)
         monkeypatch.setattr(LocalNode, "signal_group", lambda self, pgid, sig="TERM": None)
+        monkeypatch.setattr(job, "KILL_REAP_S", 0.5)  # the reap wait after a KILL that never lands: 10 s idle
         with pytest.raises(Exception, match="did not stop"):
             cluster.down(cfg.cluster_name, say=lambda _: None, grace_s=0.5)
         assert state.find_cluster(cfg.cluster_name) is not None

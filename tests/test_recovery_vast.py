@@ -20,7 +20,7 @@ from provision.core import state
 from provision.core.config import load_config
 from provision.core.errors import GpuctlError, RemoteError
 from provision.flows import recover
-from provision.providers import vast
+from provision.providers import http, vast
 from provision.providers.base import UpOptions
 from tests.fakes.guards import deadline_of, recovered_cap
 from tests.fakes.harness import node_fields, saved_run, serve_vast, wait_until, write_config
@@ -78,9 +78,12 @@ def test_offers_and_up_show_the_bid_and_create_sends_it(project, gpuctl, fake, t
     assert gpuctl("down", "--yes").returncode == 0
 
 
-def test_preempted_gone_slow_and_offline_are_told_apart(project, fake, tmp_path):
+def test_preempted_gone_slow_and_offline_are_told_apart(project, fake, tmp_path, monkeypatch):
     configure(project, fake, tmp_path, {"lost_after": 30})
     cfg, record = up(project)
+    # the vendor's 503s below are retried 1+2+4+8+16 s by default: what is checked is the answer
+    # once the retries are spent, not their schedule (tests/test_provider_http.py holds that)
+    monkeypatch.setattr(http, "DEFAULT_RETRY", http.RetryPolicy(attempts=2, first_wait_s=0.01, max_wait_s=0.02))
     watch = recover.LossWatch(running_run(record), record, cfg.recovery.lost_after)
     dropped = RemoteError("connection reset", "retry")
     watch.unreachable(25, dropped)  # a slow or briefly unreachable node the vendor runs: not lost

@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # status, logs and cancel only read records: render (jinja2) 
 
 TERMINAL = ("succeeded", "failed", "cancelled", "lost")
 POLL_S = 0.5
+KILL_REAP_S = 10.0  # after KILL in `cancel`: killed processes linger until reaped
 T = TypeVar("T")
 
 
@@ -356,7 +357,7 @@ def cancel(run: state.RunRecord, *, grace_s: float = 20) -> bool:
             time.sleep(0.5)
         if node.group_alive(run.pgid):
             node.signal_group(run.pgid, "KILL")
-            deadline = time.monotonic() + 10  # killed processes linger until reaped
+            deadline = time.monotonic() + KILL_REAP_S
             while time.monotonic() < deadline and node.group_alive(run.pgid):
                 time.sleep(0.5)
             from provision.flows.docker import remove_container
