@@ -184,7 +184,8 @@ class SlurmNode(Node):
         if self.prov is None:
             return argv
         srun = ["srun", "--job-name", "gpuctl-doctor", f"--immediate={DOCTOR_QUEUE_S}", "--export=" + ",".join(EXPORT)]
-        return [*srun, *doctor_options(self.prov, timeout_s), *argv]
+        # a login shell, as slurm.sh's: the site's profile defines `module` for provider.setup
+        return [*srun, *doctor_options(self.prov, timeout_s), "bash", "-l", "-c", 'exec "$@"', "gpuctl", *argv]
 
     def accounted(self, job_id: int) -> str:
         """The state Slurm's accounting keeps of a job scontrol forgot (MinJobAge passed): how it
