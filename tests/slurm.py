@@ -25,6 +25,10 @@ import pytest
 from tests.helpers import free_port
 
 CPUS = 4  # more than this machine's cores may be: SlurmdParameters=config_overrides lets slurmd take it
+# GPUs Slurm believes the node has (gres.conf: a count, no device files): enough for `up`'s GPU checks and
+# sbatch --test-only; no test runs a job that asks for them (the ranks are CPU ranks).
+GPUS = 2
+GRES = "NodeName=localhost Name=gpu File=/dev/tty[1-{gpus}]\n"
 CONF = """ClusterName=gpuctltest
 SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={ctld_port}
@@ -48,12 +52,13 @@ SlurmdParameters=config_overrides
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
+GresTypes=gpu
 MpiDefault=none
 ReturnToService=2
 SchedulerType=sched/backfill
 KillWait=5
 MinJobAge=600
-NodeName=localhost NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=4000 State=UNKNOWN
+NodeName=localhost NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=4000 Gres=gpu:{gpus} State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 """
 
@@ -78,8 +83,10 @@ class SlurmCluster:
                 user=os.environ.get("USER", "root"),
                 root=self.root,
                 cpus=CPUS,
+                gpus=GPUS,
             )
         )
+        (self.root / "gres.conf").write_text(GRES.format(gpus=GPUS))  # slurmd reads it beside slurm.conf
         for argv in (["slurmctld", "-D", "-i"], ["slurmd", "-D", "-N", "localhost"]):
             with open(self.root / f"{argv[0]}.out", "wb") as log:  # the daemon keeps its own copy of the fd
                 self.procs.append(

@@ -20,10 +20,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from provision.core.provider_config import SlurmProvider
-from provision.providers.slurm import SlurmNode, job_options
+from provision.providers.slurm import SlurmNode, gres_gpus, job_options, site_gpu_request
 from provision.transport.remote import CommandResult, Node
 from tests.fakes.harness import wait_until
 from tests.helpers import Gpuctl
+from tests.slurm import GPUS
 
 
 def write_config(project: Path, gpuctl: Gpuctl, workdir: Path, provider: dict | None = None, **train) -> None:
@@ -54,6 +55,42 @@ def test_the_job_asks_for_the_walltime_warning_and_names_what_travels():
     assert not any(o.startswith("--export") and "=" in o.split("=", 1)[1] for o in opts)  # names, never values
 
 
+def test_the_job_asks_for_gpus_the_way_the_site_does():
+    assert site_gpu_request("AuthType = auth/munge\nSelectType              = select/cons_tres\n") == "gpus-per-node"
+    assert site_gpu_request("SelectType = select/cons_res\nSelectTypeParameters = CR_Core\n") == "gres"
+    assert site_gpu_request("") == "gres"  # an old or unreadable config: --gres is what every Slurm knows
+    prov = SlurmProvider(workdir="/shared/x", gpus_per_node=2, gpu_request="gres")
+    opts = job_options(prov)
+    assert opts[opts.index("--gres") + 1] == "gpu:2" and "--gpus-per-node" not in opts
+    assert [gres_gpus(g) for g in ("gpu:4", "gpu:a100:4(S:0-1)", "gpu:a:2,gpu:b:2", "(null)", "mps:100")] == [
+        4,
+        4,
+        4,
+        0,
+        0,
+    ]
+
+
+class ScriptedLogin(Node):
+    """A login node whose commands answer from `answers` (argv[0] -> (rc, stdout, stderr))."""
+
+    def __init__(self, answers: dict[str, tuple[int, str, str]]):
+        self.answers = answers
+
+    def _execute(self, argv, timeout, stream, stdin) -> CommandResult:
+        return CommandResult(*self.answers[argv[0]])
+
+
+def test_a_job_scontrol_forgot_reads_its_end_from_sacct():
+    forgot = (1, "", "slurm_load_jobs error: Invalid job id specified\n")
+    node = SlurmNode(ScriptedLogin({"scontrol": forgot, "sacct": (0, "PREEMPTED\n", "")}), [])
+    assert node.queue_state(7) == "Slurm job 7 PREEMPTED" and not node.group_alive(7)
+    node = SlurmNode(ScriptedLogin({"scontrol": forgot, "sacct": (0, "CANCELLED by 0\n", "")}), [])
+    assert node.queue_state(7) == "Slurm job 7 CANCELLED"
+    no_accounting = (1, "", "sacct: error: Slurm accounting storage is disabled\n")
+    assert SlurmNode(ScriptedLogin({"scontrol": forgot, "sacct": no_accounting}), []).queue_state(7) is None
+
+
 class CannedLogin(Node):
     """A login node whose scontrol prints `out` (what a hostile or odd Slurm might)."""
 
@@ -72,6 +109,12 @@ def test_the_queue_state_shown_is_slurms_words_only(reason):
     assert all(ch.isprintable() and ord(ch) < 128 for ch in shown)
 
 
+def doctor_jobs(slurm) -> dict[str, str]:
+    """The doctor's jobs Slurm still remembers (finished ones too: MinJobAge), by job id."""
+    out = slurm.sh("scontrol", "show", "job", "--oneliner").stdout
+    return {line.split()[0]: line for line in out.splitlines() if "JobName=gpuctl-doctor " in line}
+
+
 def test_up_checks_the_login_node_and_holds_nothing(project, gpuctl: Gpuctl, slurm, tmp_path, state_dir):
     write_config(project, gpuctl, tmp_path / "shared", {"partition": "nope"})
     bad = gpuctl("up")
@@ -86,10 +129,27 @@ def test_up_checks_the_login_node_and_holds_nothing(project, gpuctl: Gpuctl, slu
     bad = gpuctl("up")
     assert bad.returncode != 0 and "Slurm refuses the job shape" in bad.stderr, bad.stderr
 
+    write_config(project, gpuctl, tmp_path / "shared", {"gpus_per_node": GPUS + 1})  # sinfo's gres has fewer
+    bad = gpuctl("up")
+    assert bad.returncode != 0 and f"provider.gpus_per_node is {GPUS + 1} but 0 node(s)" in bad.stderr, bad.stderr
+    # the site's way of asking for GPUs (select/cons_tres here: --gpus-per-node), or the one the config names;
+    # sbatch --test-only accepts either, and the record keeps it for every job
+    for ask, flag, kept in (("auto", "--gpus-per-node", "gpus-per-node"), ("gres", "--gres gpu:N", "gres")):
+        write_config(project, gpuctl, tmp_path / "shared", {"gpus_per_node": GPUS, "gpu_request": ask})
+        up = gpuctl("up", "--skip-doctor")  # doctor checks the login node, which has no GPU (nor nvidia-smi) here
+        assert up.returncode == 0 and f"GPUs as {flag}" in up.stderr, up.stderr
+        record = json.loads(next((state_dir / "clusters").glob("*.json")).read_text())
+        assert record["slurm"]["gpu_request"] == kept
+        assert gpuctl("down").returncode == 0
+
     write_config(project, gpuctl, tmp_path / "shared")
+    before = doctor_jobs(slurm)
     up = gpuctl("up")
     assert up.returncode == 0, up.stderr
     assert "sbatch --test-only accepts the job" in up.stderr
+    # up's quick checks ran as a short job on the partition (srun), not on the login node, and it ended
+    new = {job: line for job, line in doctor_jobs(slurm).items() if job not in before}
+    assert len(new) == 1 and "JobState=COMPLETED" in next(iter(new.values())), new
     record = json.loads(next((state_dir / "clusters").glob("*.json")).read_text())
     assert record["provider"] == "slurm" and record["slurm"]["partition"] == "debug"
     assert slurm.jobs() == []  # no allocation is held while idle
@@ -144,6 +204,8 @@ def test_pending_shows_its_reason_cancel_and_down_leave_no_job(project, gpuctl: 
         wait_until(lambda: any("PENDING (Resources)" in line for line in lines), 120, "the queue state in the view")
         ours = [job for job in slurm.jobs() if not job.startswith(blocker)]
         assert len(ours) == 1 and "PENDING" in ours[0]
+        # never requeued from step 0 by a site's JobRequeue=1 (the job would train again over its own run dir)
+        assert "Requeue=0" in slurm.sh("scontrol", "show", "job", ours[0].split()[0]).stdout
 
         cancel = gpuctl("cancel")
         assert cancel.returncode == 0, cancel.stderr

@@ -314,7 +314,12 @@ class SlurmProvider(Strict):
     account: str | None = Field(default=None, description="sbatch --account")
     qos: str | None = Field(default=None, description="sbatch --qos")
     nodes: int = Field(default=1, ge=1, le=1, description="nodes per job (one for now)")
-    gpus_per_node: int | None = Field(default=None, ge=1, le=64, description="--gpus-per-node; None: CPU ranks")
+    gpus_per_node: int | None = Field(default=None, ge=1, le=64, description="GPUs per node; None: CPU ranks")
+    gpu_request: Literal["auto", "gres", "gpus-per-node"] = Field(
+        default="auto",
+        description="how the job asks for GPUs: --gres=gpu:N or --gpus-per-node N; auto: what the site's "
+        "`scontrol show config` shows (select/cons_tres: --gpus-per-node, else --gres), decided at `up`",
+    )
     cpu_ranks: int = Field(default=1, ge=1, le=256, description="ranks per node when gpus_per_node is unset")
     cpus_per_task: int | None = Field(default=None, ge=1, le=4096, description="--cpus-per-task (one task per node)")
     mem: str | None = Field(default=None, description="--mem per node, e.g. 64G")

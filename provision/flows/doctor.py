@@ -186,9 +186,9 @@ def check_node(
     try:
         node.put_dir(staging, folder)
         offset = clock_offset(node)
-        facts = remote_facts(
-            node, node_argv(cfg, cluster, rec, folder), request, QUICK_TIMEOUT_S if quick else FULL_TIMEOUT_S
-        )
+        timeout = QUICK_TIMEOUT_S if quick else FULL_TIMEOUT_S
+        argv = node.on_compute(node_argv(cfg, cluster, rec, folder), timeout)  # slurm: a short job on the partition
+        facts = remote_facts(node, argv, request, timeout)
     except RemoteError as exc:
         fix = (
             "check provider.python on the node: `gpuctl ssh` and run `PYTHON -m trainer.doctor` in <workdir>/doctor/lib"

@@ -12,6 +12,7 @@ secrets.env on the shared filesystem, which the ranks read themselves; never `--
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 import time
@@ -33,7 +34,14 @@ ALIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEU
 EXPORT = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TZ", "TMPDIR")
 # A state or reason reaches the terminal: Slurm's own words only (letters, digits, a little punctuation).
 JOB_FIELD = re.compile(r"\b(JobState|Reason)=([A-Za-z0-9_.:,()+-]{1,100})(?=\s|$)")
+# The doctor's short job: how long srun may wait for a node before the checks fail with its word.
+DOCTOR_QUEUE_S = 60
 JOB_ID = re.compile(r"^(\d{1,12})(;\S+)?$")
+# sacct's State: a word, then perhaps "by <uid>" (CANCELLED by 0).
+ACCT_STATE = re.compile(r"^([A-Z_]{1,40})\b")
+SELECT_TYPE = re.compile(r"^SelectType\s*=\s*(\S+)", re.M)
+# One GPU entry of sinfo's %G: gpu:4, gpu:a100:4 (the socket part "(S:0-1)" is cut off first).
+GPU_GRES = re.compile(r"(?:^|,)gpu(?::[^:,]+)?:(\d+)")
 # The batch script: `srun` starts launch.sh once per node (one task per node); launch.sh writes
 # status.json and job.log as on any node. MASTER_ADDR comes from Slurm's own node list.
 BATCH = """#!/bin/bash -l
@@ -64,9 +72,30 @@ def job_options(prov: SlurmProvider) -> list[str]:
         ("--cpus-per-task", str(prov.cpus_per_task) if prov.cpus_per_task else None),
         ("--mem", prov.mem),
         ("--constraint", prov.constraint),
-        ("--gpus-per-node", str(prov.gpus_per_node) if prov.gpus_per_node else None),
     ]
-    return opts + [part for flag, value in pairs if value for part in (flag, value)]
+    opts += [part for flag, value in pairs if value for part in (flag, value)]
+    if prov.gpus_per_node:  # `up` replaced auto with the site's way (gpu_request)
+        gres = prov.gpu_request == "gres"
+        opts += ["--gres", f"gpu:{prov.gpus_per_node}"] if gres else ["--gpus-per-node", str(prov.gpus_per_node)]
+    return opts
+
+
+def doctor_options(prov: SlurmProvider, timeout_s: float) -> list[str]:
+    """The doctor's job: one node of the run's shape, for the checks' own time (short jobs start sooner)."""
+    shape = prov.model_copy(update={"nodes": 1, "time": str(max(1, math.ceil(timeout_s / 60)))})  # minutes
+    return [opt for opt in job_options(shape) if not opt.startswith("--signal")]
+
+
+def site_gpu_request(config_text: str) -> str:
+    """How this site's jobs ask for GPUs, from `scontrol show config`: --gpus-per-node needs
+    select/cons_tres (Slurm 19.05+); a cons_res or linear site only knows --gres=gpu:N."""
+    match = SELECT_TYPE.search(config_text)
+    return "gpus-per-node" if match and match.group(1) == "select/cons_tres" else "gres"
+
+
+def gres_gpus(gres: str) -> int:
+    """GPUs of one node in sinfo's %G: 'gpu:4', 'gpu:a100:4(S:0-1)', 'gpu:a:2,gpu:b:2' (4), '(null)' (0)."""
+    return sum(int(n) for n in GPU_GRES.findall(re.sub(r"\([^)]*\)", "", gres)))
 
 
 def login_record(prov: SlurmProvider) -> state.NodeRecord:
@@ -106,8 +135,9 @@ def login_node(rec: state.NodeRecord, identity_file: str | None, *, pin_new: boo
 class SlurmNode(Node):
     """The login node, with the run's process group standing for its Slurm job."""
 
-    def __init__(self, login: Node, options: list[str]):
+    def __init__(self, login: Node, options: list[str], prov: SlurmProvider | None = None):
         self.login, self.options, self.label = login, options, f"slurm ({login.label})"
+        self.prov = prov
 
     def _execute(
         self, argv: list[str], timeout: float | None, stream: LineSink | None, stdin: bytes | None
@@ -129,6 +159,9 @@ class SlurmNode(Node):
         self.write_text(f"{cwd}/{BATCH_SCRIPT}", batch, "700")
         argv = ["sbatch", "--parsable", "--job-name", f"gpuctl-{run_id}", "--chdir", cwd, "--output", f"{cwd}/{log}"]
         argv.append("--export=" + ",".join(EXPORT))
+        # Slurm requeues a batch job after a node failure by default (JobRequeue=1): it would run launch.sh
+        # again from step 0 in the same run dir. Until a requeued job resumes, it ends and `--resume` continues.
+        argv.append("--no-requeue")
         out = self.run([*argv, *self.options, f"{cwd}/{BATCH_SCRIPT}"], timeout=60).stdout.strip()
         match = JOB_ID.match(out.splitlines()[-1] if out else "")
         if not match:
@@ -140,10 +173,27 @@ class SlurmNode(Node):
         result = self.run(["scontrol", "show", "job", "--oneliner", str(job_id)], check=False, timeout=30)
         if result.rc != 0:
             if "Invalid job id" in result.stderr:
-                return "", ""
+                return self.accounted(job_id), ""
             raise RemoteError(f"{self.label}: scontrol show job {job_id}: {result.stderr.strip()[:200]}")
         fields = dict(JOB_FIELD.findall(result.stdout[:20_000]))
         return fields.get("JobState", ""), fields.get("Reason", "")
+
+    def on_compute(self, argv: list[str], timeout_s: float) -> list[str]:
+        """argv as a short job on the partition (the doctor's checks on a node the run would get, not the
+        login node): srun allocates, runs it there with our stdin (the checks' request) and releases."""
+        if self.prov is None:
+            return argv
+        srun = ["srun", "--job-name", "gpuctl-doctor", f"--immediate={DOCTOR_QUEUE_S}", "--export=" + ",".join(EXPORT)]
+        # a login shell, as slurm.sh's: the site's profile defines `module` for provider.setup
+        return [*srun, *doctor_options(self.prov, timeout_s), "bash", "-l", "-c", 'exec "$@"', "gpuctl", *argv]
+
+    def accounted(self, job_id: int) -> str:
+        """The state Slurm's accounting keeps of a job scontrol forgot (MinJobAge passed): how it
+        ended (COMPLETED, TIMEOUT, PREEMPTED, ...); "" on a site without accounting."""
+        argv = ["sacct", "--jobs", str(job_id), "--allocations", "--noheader", "--parsable2", "--format", "State"]
+        result = self.run(argv, check=False, timeout=30)
+        match = ACCT_STATE.match(result.stdout.strip()[:200]) if result.rc == 0 else None
+        return match.group(1) if match else ""
 
     def group_alive(self, pgid: int) -> bool:
         return self.job_state(pgid)[0] in ALIVE
@@ -170,8 +220,8 @@ def _gone(node: Node, job_id: int, wait_s: float = 60) -> bool:
     return False
 
 
-def _check(node: Node, prov: SlurmProvider, say: Callable[[str], None]) -> int:
-    """The login node's checks; the partition's node count."""
+def _check(node: Node, prov: SlurmProvider, say: Callable[[str], None]) -> SlurmProvider:
+    """The login node's checks; the provider with gpu_request decided (auto: the site's way)."""
     try:
         info = node.run(["sinfo", "--noheader", "--format", "%R %D %c %G", *_part(prov)], check=False, timeout=60)
     except (RemoteError, OSError) as exc:
@@ -190,6 +240,8 @@ def _check(node: Node, prov: SlurmProvider, say: Callable[[str], None]) -> int:
         raise ConfigError(
             f"provider.nodes is {prov.nodes} but the partition has {count} node(s)", f"set nodes to at most {count}"
         )
+    if prov.gpus_per_node:
+        prov = _gpu_nodes(node, prov, rows)
     test = node.run(["sbatch", "--test-only", *job_options(prov), "--wrap", "true"], check=False, timeout=60)
     if test.rc != 0:
         why = (test.stderr.strip().splitlines() or ["no reason given"])[-1][:300]
@@ -200,8 +252,30 @@ def _check(node: Node, prov: SlurmProvider, say: Callable[[str], None]) -> int:
             f"provider.workdir {prov.workdir} is not a writable folder on the login node",
             "give a folder on the filesystem every node shares",
         )
-    say(f"slurm: partition {rows[0][0]} with {count} node(s); sbatch --test-only accepts the job")
-    return count
+    gpus = (
+        f"; GPUs as {'--gres gpu:N' if prov.gpu_request == 'gres' else '--gpus-per-node'}" if prov.gpus_per_node else ""
+    )
+    say(f"slurm: partition {rows[0][0]} with {count} node(s); sbatch --test-only accepts the job{gpus}")
+    return prov
+
+
+def _gpu_nodes(node: Node, prov: SlurmProvider, rows: list[list[str]]) -> SlurmProvider:
+    """Enough nodes with gpus_per_node GPUs (sinfo's gres), and the site's way of asking for them."""
+    assert prov.gpus_per_node
+    fit = sum(
+        int(row[1]) for row in rows if len(row) > 3 and row[1].isdigit() and gres_gpus(row[3]) >= prov.gpus_per_node
+    )
+    if fit < prov.nodes:
+        most = max((gres_gpus(row[3]) for row in rows if len(row) > 3), default=0)
+        raise ConfigError(
+            f"provider.gpus_per_node is {prov.gpus_per_node} but {fit} node(s) of the partition have that many "
+            f"GPUs (sinfo's gres shows at most {most})",
+            f"set gpus_per_node to at most {most}, or pick a partition with bigger nodes",
+        )
+    if prov.gpu_request != "auto":
+        return prov
+    shown = node.run(["scontrol", "show", "config"], check=False, timeout=60)
+    return prov.model_copy(update={"gpu_request": site_gpu_request(shown.stdout if shown.rc == 0 else "")})
 
 
 def _part(prov: SlurmProvider) -> list[str]:
@@ -228,7 +302,7 @@ class SlurmBackend(ProviderBackend):
         record = planned(cfg)
         node = login_node(record.nodes[0], record.identity_file, pin_new=True)  # pins the login's key
         try:
-            _check(node, prov, opts.say)
+            record.slurm = _check(node, prov, opts.say)  # jobs ask for GPUs the way this site does
         finally:
             node.close()
         return None if opts.dry_run else record
@@ -237,7 +311,7 @@ class SlurmBackend(ProviderBackend):
         prov = cluster.slurm
         if prov is None:
             raise ConfigError(f"cluster {cluster.name}: the record lacks its slurm section", "`gpuctl up` it again")
-        return [SlurmNode(login_node(cluster.nodes[0], cluster.identity_file), job_options(prov))]
+        return [SlurmNode(login_node(cluster.nodes[0], cluster.identity_file), job_options(prov), prov)]
 
     def down(self, cluster: state.ClusterRecord, say: Callable[[str], None]) -> None:
         """Cancel every job of the cluster's runs that Slurm still lists; nothing else is held."""

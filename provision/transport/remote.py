@@ -173,6 +173,10 @@ class Node:
     def signal_group(self, pgid: int, sig: str = "TERM") -> None:
         self.sh('kill -s "$2" -- "-$1" 2>/dev/null || true', str(pgid), sig, check=False, timeout=30)
 
+    def on_compute(self, argv: list[str], timeout_s: float) -> list[str]:
+        """argv as it runs where the run's ranks will (provider slurm: in a short job); here, as is."""
+        return argv
+
     def queue_state(self, pgid: int) -> str | None:
         """What a batch scheduler says of the run (provider slurm: "Slurm job 7 PENDING (Resources)"); None: no scheduler."""
         return None
