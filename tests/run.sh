@@ -41,8 +41,14 @@ phase "apt + pip"
 # (as launch.sh does): two venvs sharing one folder rebuild each other's ops, 1-4 min each time.
 TORCH_EXTENSIONS_DIR="$("$PY" -c 'from trainer.hostenv import ops_cache_default; print(ops_cache_default())')"
 export TORCH_EXTENSIONS_DIR
-# A build killed half way leaves its `lock` file, and every later load waits on it for ever.
-find "$TORCH_EXTENSIONS_DIR" -name lock -mmin +30 -delete 2>/dev/null || true
+# A build killed half way (a rank or a whole test run stopped while it compiled) leaves its `lock` file,
+# and every later load of that op waits on it for ever. No compiler running: every lock is such a
+# leftover; else only an old one is (another run may be building right now).
+if pgrep -x ninja >/dev/null || pgrep -x cc1plus >/dev/null; then
+  find "$TORCH_EXTENSIONS_DIR" -name lock -mmin +30 -delete 2>/dev/null || true
+else
+  find "$TORCH_EXTENSIONS_DIR" -name lock -delete 2>/dev/null || true
+fi
 # Build them once, in one process, before any test starts ranks (3 ranks compiling at once
 # on 2 cores is slow and memory-hungry).
 DS_ACCELERATOR=cpu "$PY" -c "
