@@ -83,7 +83,8 @@ def _stop_orphan(pidfile: Path, data_root: Path) -> None:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except (OSError, ValueError):
         return
-    if cmdline and cmdline[0].endswith(b"dockerd") and str(data_root).encode() in cmdline:
+    root = str(data_root).encode()  # its --data-root is a driver folder below data_root
+    if cmdline and cmdline[0].endswith(b"dockerd") and any(arg.startswith(root) for arg in cmdline):
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 30
         while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
