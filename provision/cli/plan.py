@@ -79,10 +79,11 @@ def plan(
 
         checkpoint_every = (cfg.train if cfg else TrainConfig()).checkpoint_every
     step = _step_model(result, cfg, checkpoint_every, gpu)
-    save = next(t for t in step.terms if t.name == "checkpoint")  # the saves' pace: steps without them
-    cost = _save_cost(
-        result, cfg, checkpoint_every, upload_mbps, strategy, (step.fast_s - save.fast_s, step.slow_s - save.slow_s)
-    )
+    # the saves' pace: steps without what the saves themselves add (amortised over checkpoint_every, so
+    # counting them here would make the "every that keeps up" depend on itself)
+    saves = [t for t in step.terms if t.name in ("checkpoint", "upload cpu")]
+    pace = (step.fast_s - sum(t.fast_s for t in saves), step.slow_s - sum(t.slow_s for t in saves))
+    cost = _save_cost(result, cfg, checkpoint_every, upload_mbps, strategy, pace)
     if strategy == "fsdp":
         _plan_fsdp(result, as_json, cost, step)
         return
