@@ -64,7 +64,8 @@ def doctor_facts(workdir: Path, ranks: int, seq_len: int, grad_accum: int) -> di
 
 def predicted(facts: dict, ranks: int, seq_len: int, grad_accum: int, max_steps: int):
     from provision.estimate.doctor_speed import raw_rates
-    from provision.estimate.plan import PlanInput, plan
+    from provision.estimate.plan import plan
+    from provision.estimate.plan_input import PlanInput
     from provision.estimate.step_time import predict
 
     result = plan(

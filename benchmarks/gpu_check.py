@@ -33,7 +33,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from provision.estimate.hardware import GB, KNOWN_MODELS, PlanError
-from provision.estimate.plan import PlanInput, PlanResult, plan
+from provision.estimate.plan import plan
+from provision.estimate.plan_input import PlanInput
+from provision.estimate.plan_result import PlanResult
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_check_report as step_report
@@ -80,11 +82,8 @@ def world() -> int:
 def plan_for(
     args: argparse.Namespace, gpu_name: str, gpu_mem_gb: float | None, pinning: str = "exact", layers: int = 0
 ) -> PlanResult:
-    base = KNOWN_MODELS["deepseek-7b"]
-    layers = layers or args.layers
-    dims = dataclasses.replace(
-        base, name=f"deepseek-7b-{layers}L", layers=layers, **(TINY_SMOKE if args.cpu_smoke else {})
-    )
+    layers, smoke = layers or args.layers, TINY_SMOKE if args.cpu_smoke else {}
+    dims = dataclasses.replace(KNOWN_MODELS["deepseek-7b"], name=f"deepseek-7b-{layers}L", layers=layers, **smoke)
     return plan(
         PlanInput(
             model=dims,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from provision.estimate.hardware import GB
 from provision.estimate.node import rank_buffers
-from provision.estimate.plan import PlanResult
+from provision.estimate.plan_result import PlanResult
 
 BUFFERS = ("master", "staging", "grads", "grad_staging", "accum", "adam")
 

@@ -2,11 +2,13 @@
 
 `python tests/import_cycles.py` prints every mutual pair (A imports B and B imports A) and every
 longer cycle in provision/ and trainer/; tests/test_layout.py fails on any of them.
-`python tests/import_cycles.py --types` counts the `if TYPE_CHECKING:` imports too (for information).
+`python tests/import_cycles.py --runtime` leaves out the `if TYPE_CHECKING:` imports (for
+information: the arrows that run, the ones an import-time loop can come from).
 
-An arrow is any import statement that runs: at module level or inside a function (a lazy import
-still ties the two modules together). Imports under `if TYPE_CHECKING:` are left out: they never
-run, and annotations may name a type from a module that imports this one. Dynamic imports
+An arrow is any import statement: at module level, inside a function (a lazy import still ties the
+two modules together) or under `if TYPE_CHECKING:` (it never runs, but the module still needs the
+other one's types: when both need each other's, one of them should own what both need, e.g. a
+small module of shared types, or a Protocol for the shape one of them uses). Dynamic imports
 (importlib.import_module with a computed name, as providers.backend does) are not seen.
 """
 
@@ -36,17 +38,17 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _import_nodes(tree: ast.AST, types: bool = False) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import statement that can run: `if TYPE_CHECKING:` bodies are skipped (their else kept)
-    unless `types`."""
+def _import_nodes(tree: ast.AST, runtime_only: bool = False) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement; with `runtime_only`, those that can run (`if TYPE_CHECKING:` bodies
+    skipped, their else kept)."""
     for child in ast.iter_child_nodes(tree):
-        if not types and isinstance(child, ast.If) and _is_type_checking(child.test):
+        if runtime_only and isinstance(child, ast.If) and _is_type_checking(child.test):
             for stmt in child.orelse:
-                yield from _import_nodes(ast.Module(body=[stmt], type_ignores=[]))
+                yield from _import_nodes(ast.Module(body=[stmt], type_ignores=[]), runtime_only)
             continue
         if isinstance(child, ast.Import | ast.ImportFrom):
             yield child
-        yield from _import_nodes(child, types)
+        yield from _import_nodes(child, runtime_only)
 
 
 def _resolve(name: str, known: dict[str, Path]) -> str | None:
@@ -58,11 +60,11 @@ def _resolve(name: str, known: dict[str, Path]) -> str | None:
     return None
 
 
-def arrows_of(module: str, path: Path, known: dict[str, Path], types: bool = False) -> dict[str, int]:
+def arrows_of(module: str, path: Path, known: dict[str, Path], runtime_only: bool = False) -> dict[str, int]:
     """{imported project module: first line that imports it} for one module (itself excluded)."""
     found: dict[str, int] = {}
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in _import_nodes(ast.parse(path.read_text()), types):
+    for node in _import_nodes(ast.parse(path.read_text()), runtime_only):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         else:
@@ -79,9 +81,9 @@ def arrows_of(module: str, path: Path, known: dict[str, Path], types: bool = Fal
     return found
 
 
-def import_graph(root: Path = ROOT, types: bool = False) -> dict[str, dict[str, int]]:
+def import_graph(root: Path = ROOT, runtime_only: bool = False) -> dict[str, dict[str, int]]:
     known = project_modules(root)
-    return {module: arrows_of(module, path, known, types) for module, path in known.items()}
+    return {module: arrows_of(module, path, known, runtime_only) for module, path in known.items()}
 
 
 def mutual_pairs(graph: dict[str, dict[str, int]]) -> list[tuple[str, str]]:
@@ -129,7 +131,7 @@ def describe(graph: dict[str, dict[str, int]], a: str, b: str) -> str:
 
 
 def main() -> int:
-    graph = import_graph(types="--types" in sys.argv[1:])
+    graph = import_graph(runtime_only="--runtime" in sys.argv[1:])
     pairs = mutual_pairs(graph)
     print(f"{len(pairs)} mutual pairs")
     for a, b in pairs:

@@ -41,3 +41,5 @@ def test_plan_without_config_is_the_seed_setup(project):
 def test_plan_bad_flag_is_one_line(project):
     result = runner.invoke(app, ["plan", "--model", "gpt-9"])
     assert result.exit_code == 2 and result.stderr.startswith("error: ") and "Traceback" not in result.stderr
+    # PlanInput's PlanError (provision.estimate.hardware) reaches the boundary as a config error with its fix
+    assert "unknown model 'gpt-9'" in result.stderr and "fix the flag or gpuctl.yaml value it names" in result.stderr

@@ -13,7 +13,7 @@ import pytest
 from provision.estimate.fsdp import fsdp_memory
 from provision.estimate.hardware import GB
 from provision.estimate.node import node_requirements
-from provision.estimate.plan import PlanInput
+from provision.estimate.plan_input import PlanInput
 from tests import test_trainer_helpers as h
 from tests.helpers import run_gpuctl
 

@@ -92,8 +92,10 @@ ONE_WAY = (
 
 
 def test_no_two_modules_import_each_other():
-    """A lazy (function-level) import counts: it still ties the two modules together. Imports under
-    `if TYPE_CHECKING:` do not (they never run); see tests/import_cycles.py."""
+    """A lazy (function-level) import counts: it still ties the two modules together. So does one
+    under `if TYPE_CHECKING:`: it never runs, but the two still need each other (a type both use
+    belongs in a module of its own, or one side names the other's shape by a Protocol); see
+    tests/import_cycles.py."""
     graph = import_graph()
     pairs = [describe(graph, a, b) for a, b in mutual_pairs(graph)]
     assert pairs == [], f"these modules import each other: {'; '.join(pairs)}: {ONE_WAY}"
@@ -107,7 +109,8 @@ def test_no_import_cycles():
 
 def test_the_cycle_checks_see_a_cycle(tmp_path):
     """The checks above can fail: a lazy import back is a mutual pair, three modules make a loop,
-    a relative import counts, and an import under TYPE_CHECKING does not."""
+    a relative import counts, and so does an import under TYPE_CHECKING (only `runtime_only` leaves
+    it out, keeping its else)."""
     tree = {
         "provision/__init__.py": "",
         "provision/a.py": "def f():\n    from provision import b\n",
@@ -115,7 +118,9 @@ def test_the_cycle_checks_see_a_cycle(tmp_path):
         "provision/c.py": "from . import d\n",
         "provision/d.py": "import provision.e\n",
         "provision/e.py": "from provision.c import x\n",
-        "provision/f.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from provision import a\n",
+        "provision/f.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from provision import g\n",
+        "provision/g.py": "import typing\nif typing.TYPE_CHECKING:\n    pass\nelse:\n    from provision import h\n",
+        "provision/h.py": "def f():\n    from provision.f import x\n",
         "trainer/__init__.py": "",
     }
     for rel, text in tree.items():
@@ -124,8 +129,12 @@ def test_the_cycle_checks_see_a_cycle(tmp_path):
     graph = import_graph(tmp_path)
     assert mutual_pairs(graph) == [("provision.a", "provision.b")]
     assert describe(graph, "provision.a", "provision.b") == "provision.a (line 2) <-> provision.b (line 1)"
-    assert cycles(graph) == [["provision.a", "provision.b"], ["provision.c", "provision.d", "provision.e"]]
-    assert graph["provision.f"] == {} and import_graph(tmp_path, types=True)["provision.f"] == {"provision.a": 3}
+    loops = [["provision.c", "provision.d", "provision.e"], ["provision.f", "provision.g", "provision.h"]]
+    assert cycles(graph) == [["provision.a", "provision.b"], *loops]
+    assert graph["provision.f"] == {"provision.g": 3}  # the type-only arrow closes the loop f -> g -> h -> f
+    runs = import_graph(tmp_path, runtime_only=True)
+    assert runs["provision.f"] == {} and runs["provision.g"] == {"provision.h": 5}
+    assert cycles(runs) == [["provision.a", "provision.b"], loops[0]]
 
 
 @pytest.mark.parametrize("entry", ["import provision.cli.app", "import provision.cli"])

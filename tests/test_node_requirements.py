@@ -22,7 +22,8 @@ from provision.estimate.node import (
     pow2,
     rank_buffers,
 )
-from provision.estimate.plan import PlanInput, plan, plan_to_json
+from provision.estimate.plan import plan, plan_to_json
+from provision.estimate.plan_input import PlanInput
 from provision.estimate.sizing import sized_provider
 
 SEED = dict(model="deepseek-7b", precision="fp16", gpu_mem_gb=24)  # 3 x RTX 4090, ZeRO-2 offload, ga 4

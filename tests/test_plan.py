@@ -20,7 +20,8 @@ from provision.estimate.hardware import (
     zero2_model_states_mem,
     zero3_model_states_mem,
 )
-from provision.estimate.plan import PlanInput, plan, plan_to_json
+from provision.estimate.plan import plan, plan_to_json
+from provision.estimate.plan_input import PlanInput
 
 ROOT = Path(__file__).resolve().parents[1]
 DEEPSEEK = dict(

@@ -12,7 +12,8 @@ from provision.core import state
 from provision.core.checks import CheckRow, DoctorResult
 from provision.estimate.checkpoint_cost import checkpoint_cost, save_bytes
 from provision.estimate.hardware import KNOWN_MODELS
-from provision.estimate.plan import PlanInput, plan
+from provision.estimate.plan import plan
+from provision.estimate.plan_input import PlanInput
 from tests.test_cli_plan import plan_json
 
 runner = CliRunner()

@@ -17,7 +17,7 @@ import pytest
 
 from provision.estimate.hardware import GB
 from provision.estimate.node import node_requirements, save_term
-from provision.estimate.plan import PlanInput
+from provision.estimate.plan_input import PlanInput
 from tests import test_trainer_helpers as h
 
 MEASURE = textwrap.dedent("""

@@ -21,7 +21,8 @@ from provision.estimate.doctor import judge
 from provision.estimate.doctor_rows import Needs
 from provision.estimate.doctor_speed import raw_rates
 from provision.estimate.forecast import compare, compare_lines, measured_means
-from provision.estimate.plan import PlanInput, plan
+from provision.estimate.plan import plan
+from provision.estimate.plan_input import PlanInput
 from provision.estimate.rates import flops_per_micro
 from provision.estimate.step_time import model_to_json, predict
 from tests.test_cli_plan import SEED_7B, plan_json

@@ -93,7 +93,8 @@ def test_slow_final_upload_longer_than_the_timeout_still_succeeds_then_mapped_re
     assert tag_bytes(run / "checkpoints" / "step2") == pytest.approx(expected, rel=0.1)  # the disk-room estimate
     # `gpuctl plan`'s checkpoint size (DeepSpeed ZeRO-2) for this run: the save on disk and in the store
     from provision.estimate.checkpoint_cost import save_bytes
-    from provision.estimate.plan import PlanInput, plan
+    from provision.estimate.plan import plan
+    from provision.estimate.plan_input import PlanInput
 
     tiny = plan(PlanInput(model="tiny", gpus_per_node=2, precision="fp32", grad_accum=2, seq_len=64))
     on_node, in_store = save_bytes(tiny)

@@ -14,7 +14,7 @@ import pytest
 
 from provision.core.config import GpuctlConfig
 from provision.estimate.node import node_requirements
-from provision.estimate.plan import PlanInput
+from provision.estimate.plan_input import PlanInput
 from provision.flows.render import BundleNode, BundleSpec, render_bundle
 from tests.helpers import REPO, free_port
 from trainer import diskroom, hostenv, pinning

@@ -167,7 +167,8 @@ def test_the_live_view_shows_the_measured_mean_step_beside_what_train_predicted(
     from provision.cli.live import figures
     from provision.estimate.doctor_speed import raw_rates
     from provision.estimate.forecast import save_prediction
-    from provision.estimate.plan import PlanInput, plan
+    from provision.estimate.plan import plan
+    from provision.estimate.plan_input import PlanInput
     from provision.estimate.step_time import predict
 
     doctor = json.loads((Path(__file__).parent / "data" / "doctor_rates" / "cpu-3ranks-tiny-seq128.json").read_text())

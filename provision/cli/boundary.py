@@ -70,7 +70,7 @@ def _ssh_error(exc: BaseException) -> GpuctlError | None:
 
 
 def _library_error(exc: BaseException) -> GpuctlError | None:
-    if _is(exc, "provision.estimate.plan", "PlanError"):
+    if _is(exc, "provision.estimate.hardware", "PlanError"):
         return ConfigError(str(exc), "fix the flag or gpuctl.yaml value it names")
     if _is(exc, "provision.estimate.report", "ReportError"):
         return GpuctlError(str(exc), "let the run log a few steps, or name a run with metrics")

@@ -48,8 +48,9 @@ def plan(
 ) -> None:
     """GPU memory per rank, host RAM per node (load, steady, resume) and disk, the closest config that fits,
     tokens/s, and what a checkpoint save costs (size on disk and in the store, upload time)."""
-    from provision.estimate.plan import PlanInput, plan_to_json
     from provision.estimate.plan import plan as run_plan
+    from provision.estimate.plan import plan_to_json
+    from provision.estimate.plan_input import PlanInput
 
     cfg = load_if_present(config)
     strategy = strategy or (cfg.train.strategy if cfg else "deepspeed")

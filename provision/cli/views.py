@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rich.console import RenderableType
 
-    from provision.estimate.plan import PlanResult
+    from provision.estimate.plan_result import PlanResult
     from provision.flows.sweep import Sweep
     from provision.providers.base import Offer
     from trainer.objstore.layout import CheckpointInfo

@@ -118,7 +118,9 @@ class TrainConfig(Strict):
     def _warmup_fits(self) -> TrainConfig:
         if self.warmup_steps > self.max_steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) exceeds max_steps ({self.max_steps})")
-        check_strategy(self)
+        defaults = type(self).model_fields
+        changed = {key for key in self.model_fields_set if getattr(self, key) != defaults[key].default}
+        check_strategy(self.strategy, self.precision, changed)
         return self
 
 

@@ -2,14 +2,14 @@
 
 config.py holds the field; this module holds what a strategy allows, so a DeepSpeed-only key set
 with strategy fsdp is one clear error naming the key instead of a value the run silently ignores.
+It is told the train section's values, not handed the section, so the import runs one way
+(config.py -> strategy.py).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
-
-if TYPE_CHECKING:
-    from provision.core.config import TrainConfig
+from collections.abc import Collection
+from typing import Literal
 
 Strategy = Literal["deepspeed", "fsdp"]
 STRATEGIES: tuple[str, ...] = ("deepspeed", "fsdp")
@@ -21,15 +21,16 @@ DEEPSPEED_ONLY = {
 }
 
 
-def check_strategy(train: TrainConfig) -> None:
-    """Raise ValueError (pydantic shows it against `train`) for a key the chosen strategy cannot honour."""
-    if train.strategy != "fsdp":
+def check_strategy(strategy: str, precision: str, changed: Collection[str]) -> None:
+    """Raise ValueError (pydantic shows it against `train`) for a key the chosen strategy cannot honour.
+    `changed`: the train keys the user set to a value other than the default (the init template's
+    defaults, zero_stage 2 and tensorboard false, pass)."""
+    if strategy != "fsdp":
         return
-    defaults = type(train).model_fields
-    for key, why in DEEPSPEED_ONLY.items():  # the init template's defaults (zero_stage 2, tensorboard false) pass
-        if key in train.model_fields_set and getattr(train, key) != defaults[key].default:
+    for key, why in DEEPSPEED_ONLY.items():
+        if key in changed:
             raise ValueError(f"{key} is a DeepSpeed-only key and strategy is fsdp ({why}); remove {key}")
-    if train.precision == "fp16":
+    if precision == "fp16":
         raise ValueError(
             "precision fp16 needs a loss scaler, which gpuctl runs only with DeepSpeed; "
             "with strategy fsdp use bf16 (or fp32)"

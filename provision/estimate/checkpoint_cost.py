@@ -29,7 +29,7 @@ from provision.estimate.node import STORE_BYTES_PER_S
 
 if TYPE_CHECKING:
     from provision.core.checks import CheckRow
-    from provision.estimate.plan import PlanResult
+    from provision.estimate.plan_result import PlanResult
 
 # torch.distributed.checkpoint's own bytes beside the tensors (torch 2.13, measured on tiny saves of 2 and 3
 # ranks): per rank and state tensor (weight, m, v) ~1.24 KB of pickled entry, and ~0.23 MB of .metadata.

@@ -10,7 +10,7 @@ from provision.estimate.node import collective_timeout_s, node_requirements
 from provision.estimate.node_terms import PROCESS_GB, NodeRequirements, Term
 
 if TYPE_CHECKING:
-    from provision.estimate.plan import PlanResult
+    from provision.estimate.plan_result import PlanResult
 
 # What gpuctl said and rented before issue 21 (the closing note compares).
 OLD_MIN_RAM_GB, OLD_DISK_GB = 128, 200

@@ -29,7 +29,8 @@ def check_fits(cfg: GpuctlConfig, cluster: ClusterRecord) -> None:
 
 
 def _check_gpu(cfg: GpuctlConfig, cluster: ClusterRecord) -> None:
-    from provision.estimate.plan import PlanInput, plan
+    from provision.estimate.plan import plan
+    from provision.estimate.plan_input import PlanInput
 
     fields = plan_input(cfg)
     node = cluster.nodes[0]

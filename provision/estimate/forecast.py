@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
 def cluster_model(cfg: GpuctlConfig, cluster: ClusterRecord) -> StepModel | None:
     """The step model for this config on this cluster; None when plan does not know the model (or GPU)."""
-    from provision.estimate.plan import PlanInput, plan
+    from provision.estimate.plan import plan
+    from provision.estimate.plan_input import PlanInput
     from provision.estimate.step_time import predict
 
     fields = plan_input(cfg)

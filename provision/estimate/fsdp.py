@@ -21,7 +21,9 @@ from typing import Any
 
 from provision.estimate.fsdp_node import shard_numels
 from provision.estimate.hardware import GB, ModelDims
-from provision.estimate.plan import PlanInput, PlanResult, _activation_bytes
+from provision.estimate.plan import _activation_bytes
+from provision.estimate.plan_input import PlanInput
+from provision.estimate.plan_result import PlanResult
 
 
 @dataclass(frozen=True)

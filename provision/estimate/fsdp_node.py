@@ -24,7 +24,7 @@ from provision.estimate.hardware import GB, ModelDims
 from provision.estimate.node_terms import OS_RESERVE_GB, PROCESS_GB, NodeRequirements, Term, disk_terms, pow2
 
 if TYPE_CHECKING:
-    from provision.estimate.plan import PlanInput
+    from provision.estimate.plan_input import PlanInput
 
 
 def shard_numels(m: ModelDims, world: int) -> list[int]:

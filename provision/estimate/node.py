@@ -41,7 +41,7 @@ from provision.estimate.hardware import GB, zero3_model_states_mem
 from provision.estimate.node_terms import OS_RESERVE_GB, PROCESS_GB, NodeRequirements, Term, disk_terms, pow2
 
 if TYPE_CHECKING:
-    from provision.estimate.plan import PlanInput
+    from provision.estimate.plan_input import PlanInput
 
 # Collective timeout: the longest a rank can sit in a collective while another node-local rank works alone.
 TIMEOUT_FLOOR_S = 1800  # never below 30 min (DeepSpeed's default, 10 min, is what issue 21 found too short)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from provision.estimate.hardware import GB
 
 if TYPE_CHECKING:
-    from provision.estimate.plan import PlanInput
+    from provision.estimate.plan_input import PlanInput
 
 PROCESS_GB = 3.0  # per GPU rank: CUDA context, cuBLAS/cuDNN/NCCL host buffers, torch, Python (assumed)
 OS_RESERVE_GB = 4.0  # the OS, sshd, the launcher, page cache for the token file

@@ -53,7 +53,7 @@ def plan_input(cfg: GpuctlConfig | None) -> dict[str, Any]:
 def node_figures(cfg: GpuctlConfig) -> NodeRequirements | None:
     """Plan's node requirements for this config; None when plan does not know the model or GPU."""
     from provision.estimate.node import node_requirements
-    from provision.estimate.plan import PlanInput
+    from provision.estimate.plan_input import PlanInput
 
     fields = plan_input(cfg)
     if fields.get("model") not in KNOWN_MODELS:
@@ -67,7 +67,8 @@ def node_figures(cfg: GpuctlConfig) -> NodeRequirements | None:
 def final_checkpoint_bytes(cfg: GpuctlConfig) -> int | None:
     """One save on the busiest node (node 0) by plan's figures; None when plan does not know the model or GPU."""
     from provision.estimate.checkpoint_cost import save_bytes
-    from provision.estimate.plan import PlanInput, plan
+    from provision.estimate.plan import plan
+    from provision.estimate.plan_input import PlanInput
 
     fields = plan_input(cfg)
     if fields.get("model") not in KNOWN_MODELS:

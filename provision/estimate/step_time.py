@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from provision.estimate.rates import Rate, Rates, flops_per_micro
 
 if TYPE_CHECKING:
-    from provision.estimate.plan import PlanResult
+    from provision.estimate.plan_result import PlanResult
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ from provision.core.provider_config import CloudProvider
 from provision.core.state import ClusterRecord, NodeRecord
 from provision.core.terminal import scrub
 from provision.providers import backend
-from provision.providers.cloud import CloudBackend, Instance
+from provision.providers.cloud import CloudBackend
+from provision.providers.instance import Instance
 
 ACTIVE = ("starting", "running")
 

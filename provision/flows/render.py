@@ -160,7 +160,7 @@ def collective_timeout(cfg: GpuctlConfig, spec: BundleSpec) -> int:
     .node.collective_timeout_s), the 30-minute floor for models plan does not know."""
     from provision.estimate.hardware import KNOWN_MODELS, PlanError
     from provision.estimate.node import TIMEOUT_FLOOR_S, collective_timeout_s
-    from provision.estimate.plan import PlanInput
+    from provision.estimate.plan_input import PlanInput
     from provision.estimate.sizing import plan_input
 
     fields = plan_input(cfg) | {"gpus_per_node": max(n.slots for n in spec.nodes), "nodes": len(spec.nodes)}

@@ -22,7 +22,8 @@ from provision.core.config import GpuctlConfig
 from provision.core.errors import GpuctlError
 from provision.core.state import ClusterRecord
 from provision.providers import backend
-from provision.providers.cloud import CloudBackend, Instance
+from provision.providers.cloud import CloudBackend
+from provision.providers.instance import Instance
 from provision.providers.labels import cluster_of
 
 KINDS = ("vast", "runpod", "aws")

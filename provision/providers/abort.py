@@ -16,18 +16,32 @@ import functools
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from provision.core import interrupt, state
 from provision.core.errors import GpuctlError, ProviderError
 from provision.core.state import ClusterRecord, NodeRecord
-
-if TYPE_CHECKING:
-    from provision.providers.cloud import CloudBackend
+from provision.providers.instance import Instance
 
 ABORT_S = 60.0
 POLL_S = 2.0  # between looks at the vendor's list
 _T = TypeVar("_T")
+
+
+class Vendor(Protocol):
+    """The calls an abort makes on the vendor: what cloud.CloudBackend has (named by shape, so
+    cloud.py imports this module and not the other way round)."""
+
+    @property
+    def kind(self) -> str: ...
+
+    def list_instances(self, cluster: ClusterRecord) -> list[Instance]: ...
+
+    def terminate(self, cluster: ClusterRecord, instance_id: str) -> None: ...
+
+    def release(self, cluster: ClusterRecord, say: Callable[[str], None]) -> None: ...
+
+    def forget_local(self, cluster: ClusterRecord) -> None: ...
 
 
 class _Stop(Exception):
@@ -108,7 +122,7 @@ def _run_into(fn: Callable[[], Any], box: dict[str, Any]) -> None:
 class UpAbort:
     """One abort of `up` on `backend` for `cluster` (the record as far as `up` got)."""
 
-    def __init__(self, backend: CloudBackend, cluster: ClusterRecord, say: Callable[[str], None]):
+    def __init__(self, backend: Vendor, cluster: ClusterRecord, say: Callable[[str], None]):
         self.backend, self.kind, self.cluster, self.say = backend, backend.kind, cluster, say
 
     def run(self, created: list[str], labels: list[str], why: str) -> None:

@@ -10,7 +10,7 @@ its label when the answer did not give a usable id).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -25,9 +25,7 @@ from pydantic import (
 
 from provision.core.errors import ProviderError
 from provision.core.terminal import scrub
-
-if TYPE_CHECKING:
-    from provision.providers.cloud import Instance
+from provision.providers.instance import Instance
 
 M = TypeVar("M", bound=BaseModel)
 FIX = "retry; if it persists, the vendor's API answers in a new way (GPUCTL_DEBUG=1 shows where gpuctl stopped)"
@@ -92,8 +90,6 @@ def listed(raw: object, parse: Callable[[object], Instance]) -> Instance | None:
     """One entry of an account's list of instances: in full, or, when its shape does not read,
     by its id and label alone (an instance gpuctl did not make, in a shape of its own, must not
     stop `down`; one it made must still be waited for); None when it has not even an id."""
-    from provision.providers.cloud import Instance
-
     try:
         return parse(raw)
     except ProviderError:

@@ -37,7 +37,8 @@ from provision.core.state import ClusterRecord, NodeRecord
 from provision.providers import aws_network as network
 from provision.providers.aws_network import ignoring
 from provision.providers.base import BOOT_HOOK, Offer, SelfTeardown
-from provision.providers.cloud import CloudBackend, Instance
+from provision.providers.cloud import CloudBackend
+from provision.providers.instance import Instance
 from provision.providers.labels import cluster_of
 
 TAG = "gpuctl-cluster"

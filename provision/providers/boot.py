@@ -7,20 +7,30 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from provision.core import interrupt
 from provision.core.errors import ProviderError
 from provision.core.provider_config import CloudProvider
 from provision.core.state import ClusterRecord, NodeRecord
+from provision.providers.instance import Instance
 from provision.transport.remote import Node
 
-if TYPE_CHECKING:
-    from provision.providers.cloud import CloudBackend
+
+class Vendor(Protocol):
+    """What booting asks of the backend: what cloud.CloudBackend has (named by shape, so cloud.py
+    imports this module and not the other way round)."""
+
+    @property
+    def kind(self) -> str: ...
+
+    def describe(self, cluster: ClusterRecord, instance_id: str) -> Instance | None: ...
+
+    def ssh_node(self, cluster: ClusterRecord, node: NodeRecord, *, pin_new: bool = False) -> Node: ...
 
 
 def wait_ready(
-    backend: CloudBackend,
+    backend: Vendor,
     prov: CloudProvider,
     cluster: ClusterRecord,
     node: NodeRecord,

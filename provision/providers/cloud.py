@@ -24,7 +24,6 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from provision.core import interrupt, state
 from provision.core.config import GpuctlConfig, check_batch
@@ -41,6 +40,7 @@ from provision.providers.base import (
     UpOptions,
     resolve_runtime,
 )
+from provision.providers.instance import Instance
 from provision.providers.labels import cluster_of, new_labels
 from provision.providers.prices import budget_hours, cluster_cap, not_spent
 from provision.providers.vendor_images import boot_image
@@ -49,23 +49,6 @@ from provision.transport.ssh import mesh
 
 POLL_S = 2.0
 GONE_TIMEOUT_S = 300.0
-
-
-@dataclass
-class Instance:
-    """What the vendor says about one instance right now."""
-
-    id: str
-    state: str  # the vendor's own word, for messages
-    ready: bool = False  # the vendor considers it running and gave an SSH address
-    failed: bool = False  # a terminal state: it will never become ready
-    address: str | None = None
-    port: int = 22
-    user: str = "root"
-    label: str = ""
-    private_address: str | None = None  # where the other nodes reach it (AWS: inside the VPC)
-    host: str = ""  # the vendor's machine behind it, where its API names one (runpod: machineId)
-    price_per_hour: float | None = None  # what the vendor bills it, where its API says (runpod: costPerHr)
 
 
 def planned_node(i: int, offer: Offer, label: str) -> NodeRecord:

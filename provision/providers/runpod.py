@@ -57,8 +57,9 @@ from provision.core.state import ClusterRecord, NodeRecord
 from provision.core.terminal import scrub
 from provision.providers.answers import RunPodGpu, RunPodPod, RunPodPrice, items, listed, obj, read
 from provision.providers.base import Offer, SelfTeardown, workdir_env
-from provision.providers.cloud import CloudBackend, Instance, price_of
+from provision.providers.cloud import CloudBackend, price_of
 from provision.providers.http import ApiRefused, JsonApi, load_key
+from provision.providers.instance import Instance
 from provision.providers.prices import vendor_price
 from provision.providers.registry_login import registry_login
 from provision.providers.teardown import http_teardown, node_last

@@ -39,8 +39,9 @@ from provision.core.provider_config import IMAGE_CUDA, CloudProvider, VastProvid
 from provision.core.state import ClusterRecord, NodeRecord
 from provision.providers.answers import VastContract, VastInstance, VastOffer, VastPort, items, listed, obj, read
 from provision.providers.base import BOOT_HOOK, Offer, SelfTeardown, workdir_env
-from provision.providers.cloud import CloudBackend, Instance, price_of
+from provision.providers.cloud import CloudBackend, price_of
 from provision.providers.http import ApiNotFound, JsonApi, load_key
+from provision.providers.instance import Instance
 from provision.providers.prices import vendor_price
 from provision.providers.registry_login import registry_login
 from provision.providers.teardown import http_teardown, node_last

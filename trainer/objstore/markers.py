@@ -12,27 +12,41 @@ attempt only. A store without an attempt (a tool outside a run) takes any marker
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from trainer.objstore.layout import NODES_DIR
 
 if TYPE_CHECKING:
-    from trainer.objstore.store import CheckpointStore
+    from trainer.objstore.backends import FileBackend
+    from trainer.objstore.s3 import S3Backend
 
 POLL_FIRST_S, POLL_MAX_S = 0.2, 5.0
+
+
+class MarkerStore(Protocol):
+    """What reading markers needs of a CheckpointStore (store.py), named by shape so that store.py
+    imports this module and not the other way round."""
+
+    @property
+    def attempt(self) -> str | None: ...
+
+    @property
+    def backend(self) -> FileBackend | S3Backend: ...
+
+    def read_json(self, key: str) -> dict[str, Any] | None: ...
 
 
 def marker_key(tag: str, node_rank: int) -> str:
     return f"{tag}/{NODES_DIR}/{node_rank}.json"
 
 
-def is_current(store: CheckpointStore, marker: dict[str, Any]) -> bool:
+def is_current(store: MarkerStore, marker: dict[str, Any]) -> bool:
     """Whether a marker was written by this store's attempt (any marker, where it has none)."""
     return store.attempt is None or marker.get("attempt") == store.attempt
 
 
 def wait_for_markers(
-    store: CheckpointStore, tag: str, num_nodes: int, deadline: float
+    store: MarkerStore, tag: str, num_nodes: int, deadline: float
 ) -> tuple[dict[int, dict[str, Any]], list[int]]:
     """Poll until every node's marker of ``tag`` from this attempt is in, or ``deadline``
     (time.monotonic()) passes: (the markers read, by node rank; the node ranks still missing).

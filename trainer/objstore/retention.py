@@ -5,22 +5,45 @@ CheckpointStore (store.py) that reads and deletes; store.py uploads and publishe
 
 from __future__ import annotations
 
+import builtins
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from trainer.objstore.atomic import atomic_write
-from trainer.objstore.backends import ProgressFn, StorageNotFound, UnsafeManifest, VerificationError
+from trainer.objstore.backends import FileBackend, ProgressFn, StorageNotFound, UnsafeManifest, VerificationError
 from trainer.objstore.fetch import fetch_tag
 from trainer.objstore.layout import LATEST, MANIFEST, CheckpointInfo, check_tag, step_from_tag
 
 if TYPE_CHECKING:
-    from trainer.objstore.store import CheckpointStore
+    from trainer.objstore.s3 import S3Backend
 
 _log = logging.getLogger("gpuctl.objstore")
 
 
-def prune(store: CheckpointStore, infos: list[CheckpointInfo] | None = None) -> None:
+class KeptStore(Protocol):
+    """What pruning and downloading need of a CheckpointStore (store.py), named by shape so that
+    store.py imports this module and not the other way round."""
+
+    @property
+    def backend(self) -> FileBackend | S3Backend: ...
+
+    @property
+    def keep(self) -> int | None: ...
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def log(self) -> Callable[[str], None]: ...
+
+    def list(self) -> builtins.list[CheckpointInfo]: ...
+
+    def latest(self) -> CheckpointInfo | None: ...
+
+
+def prune(store: KeptStore, infos: list[CheckpointInfo] | None = None) -> None:
     """Keep the newest ``keep`` complete checkpoints; drop older complete ones and
     incomplete ones older than the oldest kept. Manifest first, so a half-deleted
     checkpoint is never taken for complete."""
@@ -43,7 +66,7 @@ def prune(store: CheckpointStore, infos: list[CheckpointInfo] | None = None) -> 
             _log.info("pruned checkpoint %s from %s", info.tag, store.url)
 
 
-def download(store: CheckpointStore, tag: str | None, dest: Path, progress: ProgressFn | None = None) -> CheckpointInfo:
+def download(store: KeptStore, tag: str | None, dest: Path, progress: ProgressFn | None = None) -> CheckpointInfo:
     """Download ``tag`` (None: the latest complete) into ``dest/<tag>`` and write
     ``dest/latest``. Falls back to older complete checkpoints if it fails verification."""
     dest = Path(dest)
