@@ -3,6 +3,10 @@ of a growing file through the real local transport, phases folded from events, t
 
 from __future__ import annotations
 
+import threading
+import time
+from pathlib import Path
+
 import pytest
 
 from provision.cli.live import sparkline
@@ -12,6 +16,7 @@ from provision.core import state
 from provision.flows.job import RunStatus
 from provision.flows.watch import RunInfo, Tail, Update, WatchState, alert_line
 from provision.transport.remote import LocalNode
+from provision.transport.ssh.node import SSHNode
 
 DS_INFO = "[2026-12-03 07:37:09,475] [INFO] [launch.py:170:main] dist_world_size=3"
 DS_WARN = "[2026-12-03 07:37:09,475] [WARNING] [engine.py:1:x] something odd"
@@ -201,3 +206,42 @@ def test_the_live_view_shows_the_measured_mean_step_beside_what_train_predicted(
     other.apply(Update(_status(other, "running"), [], [json.loads(METRICS.splitlines()[1])], []))
     console.print(figures(other))
     assert other.info.prediction is None and console.export_text().count("vs plan") == 0
+
+
+def _append_later(path: Path, text: str, after_s: float) -> threading.Timer:
+    def append() -> None:
+        with path.open("a") as fh:
+            fh.write(text)
+
+    timer = threading.Timer(after_s, append)
+    timer.start()
+    return timer
+
+
+def _waited(node, read: dict[str, int], timeout: float) -> float:
+    start = time.monotonic()
+    node.wait_for_growth(read, timeout)
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize("kind", ["local", "ssh"])
+def test_the_wait_between_polls_ends_when_the_node_writes_a_line(request, tmp_path, kind):
+    """train's view reads the node again as soon as a file grew (a stat every 50 ms, over SFTP for
+    an SSH node), not at the next fixed poll; with nothing new, or only the bytes of a character
+    still being written, it waits its whole timeout."""
+    if kind == "local":
+        node = LocalNode()
+    else:
+        server = request.getfixturevalue("sshd")
+        node = SSHNode("127.0.0.1", server.port, server.user, str(server.client_key), pin_new=True)
+    log, metrics = tmp_path / "job.log", tmp_path / "metrics.jsonl"  # metrics: not written yet
+    log.write_text("step 1/9\n")
+    read = {str(log): log.stat().st_size, str(metrics): 0}
+    assert _waited(node, read, 0.6) >= 0.6
+    log.write_bytes(log.read_bytes() + "é".encode()[:1])  # half a character: read_new leaves it
+    assert _waited(node, read, 0.6) >= 0.6
+    timer = _append_later(metrics, '{"step": 2}\n', 0.3)
+    waited = _waited(node, read, 60)
+    timer.join(10)
+    assert metrics.stat().st_size > 0 and 0.3 <= waited < 30  # woken by the write, long before the timeout
+    node.close()

@@ -9,7 +9,6 @@ groups' modules need not load (~20 ms of every command; benchmarks/bench_cli.py)
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 from typing import Any
 
@@ -72,17 +71,20 @@ def __getattr__(name: str) -> typer.Typer:
 
 
 def main() -> None:
+    from provision.cli import fastpath
     from provision.core import interrupt
 
+    fastpath.tune()  # before typer's first pydantic import
     interrupt.install()  # a Ctrl-C is recorded too, so one that a finalizer swallowed still stops gpuctl
-    # gpuctl uses no pydantic plugin: looking for one reads every installed package's entry points
-    # (~10 ms of each command). pydantic's documented switch; typer sets it around its own adapters.
-    os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
     try:
         app_for(sys.argv[1:])()
     except KeyboardInterrupt:  # typer turns one into exit 130 itself; this is for what escapes it
         typer.echo("interrupted", err=True)
         sys.exit(130)
+    except SystemExit as done:  # how typer ends every command, 0 included
+        fastpath.leave(done.code)
+        raise
+    fastpath.leave(0)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from provision.core import state
+from provision.core.errors import RemoteError
 from provision.flows import job, nodedata
 from provision.flows.nodedata import Tail
 from provision.transport.remote import Node
@@ -26,6 +27,7 @@ __all__ = ["Tail", "Update", "WatchState", "alert_line", "watch"]  # Tail: flows
 
 # Queue states the view need not show: the run's own phases and end say as much.
 QUIET_QUEUE = re.compile(r" (RUNNING|COMPLETING|COMPLETED|CONFIGURING)\b")
+MIN_GAP_S = 0.1  # the shortest pause between two reads of a followed run (Feed.wait)
 EVENTS_FILE = "events.jsonl"  # trainer/events.py writes it (provision never imports the trainer's modules)
 # DeepSpeed's own format is "[time] [LEVEL] [file:line:func] text"; INFO lines stay in job.log.
 _DS_LEVEL = re.compile(r"^\[[^]]*\] \[(\w+)\]")
@@ -198,6 +200,22 @@ class Feed:
         more = self.log.more or self.metrics.more or self.events.more
         return Update(status, log, metrics, events, notes, more)
 
+    def wait(self, link: job.Link, seconds: float) -> None:
+        """Until the node wrote to the log, the metrics or the events (a stat every 50 ms over the
+        open connection), at most `seconds`: a step reaches the screen as it is written. At least
+        MIN_GAP_S between polls: a run that writes ten steps a second is not read ten times a
+        second. Without a connection, or when a look fails, the plain wait: the next read
+        reconnects and reports."""
+        tails = (self.log, self.metrics, self.events)
+        time.sleep(min(MIN_GAP_S, seconds))
+        if link.node is None:
+            time.sleep(max(0.0, seconds - MIN_GAP_S))
+            return
+        try:
+            link.node.wait_for_growth({t.path: t.offset for t in tails}, max(0.0, seconds - MIN_GAP_S))
+        except RemoteError:
+            pass
+
 
 def watch(
     run: state.RunRecord,
@@ -226,6 +244,6 @@ def watch(
             if not until_end or (st.ended and not update.more):
                 return st
             if not update.more:
-                time.sleep(poll_s)
+                feed.wait(link, poll_s)
     finally:
         link.close()

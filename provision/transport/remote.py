@@ -12,6 +12,7 @@ import shutil
 import stat
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,8 @@ DETACH_SCRIPT = (
 
 
 READ_BYTES = 4 << 20  # the most one read_new returns: the rest of a growing file comes next time
+GROWTH_TICK_S = 0.05  # wait_for_growth looks this often (a stat: one SFTP round trip, or none on this machine)
+CUT_BYTES = 3  # what read_new may leave of a partly written UTF-8 character: not news yet
 LAST_LINE_BYTES = 64 << 10  # last_line looks this far back
 
 
@@ -167,6 +170,28 @@ class Node:
         script = '[ -f "$1" ] && tail -c "$2" -- "$1" | tail -n 1'
         return self.sh(script, path, str(LAST_LINE_BYTES), check=False, timeout=60).stdout
 
+    def file_size(self, path: str) -> int | None:
+        """The file's size when a look is cheap (no shell started on the node); None here."""
+        return None
+
+    def wait_for_growth(self, sizes: dict[str, int], timeout: float) -> None:
+        """Return once one of these files holds more than the bytes already read of it, or after
+        `timeout`: a follow's next read comes when the node wrote a line, not at a fixed poll. A
+        node without a cheap look (file_size None) waits the whole timeout, as a poll did."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for path, read in sizes.items():
+                size = self.file_size(path)
+                if size is None:
+                    time.sleep(max(0.0, deadline - time.monotonic()))
+                    return
+                if size > read + CUT_BYTES:
+                    return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(GROWTH_TICK_S, left))
+
     def group_alive(self, pgid: int) -> bool:
         return self.sh('kill -0 -- "-$1" 2>/dev/null', str(pgid), check=False, timeout=30).rc == 0
 
@@ -259,6 +284,12 @@ class LocalNode(Node):
                 return last_line_of(fh, os.fstat(fh.fileno()).st_size)
         except OSError:  # missing, a folder, no permission: like `[ -f ] && cat` failing
             return ""
+
+    def file_size(self, path: str) -> int | None:
+        try:
+            return os.stat(path).st_size
+        except OSError:  # not written yet
+            return 0
 
     def put_dir(self, local: Path, remote: str) -> None:
         shutil.copytree(local, remote, dirs_exist_ok=True, symlinks=True, copy_function=copy_with_mode)

@@ -307,6 +307,10 @@ class SSHNode(Node):
 
         return self._over_sftp(path, read, "")
 
+    def file_size(self, path: str) -> int | None:
+        """One SFTP stat (0 when the file is not there yet); RemoteError when the connection is gone."""
+        return self._over_sftp(path, lambda sftp: sftp.stat(path).st_size or 0, 0)
+
     def group_alive(self, pgid: int) -> bool:
         """The group's leader (launch.sh) alive means the group is: one SFTP stat, no shell.
         Only when the leader is gone does it ask the shell whether members are left."""
