@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import resource
+import tempfile
 from pathlib import Path
 
 from provision.estimate.hardware import GB
@@ -127,7 +128,9 @@ def node_rates(args, pred: PlanResult) -> dict | None:
         "zero_stage": args.zero_stage,
         "adam_params": pred.params if args.offload == "cpu" else None,
     }
-    return {"disk": disk_write(str(Path.cwd()), 512), **measure(request)}
+    # the disk a run's checkpoints go to: the working folder, else (mounted read-only) the temp folder
+    folder = Path.cwd() if os.access(Path.cwd(), os.W_OK) else Path(tempfile.gettempdir())
+    return {"disk": disk_write(str(folder), 512), **measure(request)}
 
 
 def step_check(pred: PlanResult, rates: dict | None, steady: list[float], accelerator: str) -> dict:

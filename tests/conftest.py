@@ -90,8 +90,9 @@ def gpuctl(project) -> Gpuctl:
 # Under pytest-xdist (tests/run.sh runs `-n N --dist loadgroup`), tests that share one engine that
 # a session may hold only once go to one worker, in one group each: the image engine (a file lock
 # on its persistent data root: a second worker would wait for the first's whole session) and the
-# Slurm cluster (one slurmctld per session). Everything else spreads over the workers.
-ONE_WORKER_FIXTURES = {"image_engine": "image-engine", "trainer_image": "image-engine", "slurm_cluster": "slurm"}
+# Slurm cluster (one slurmctld per session), which joins the tests that start real ranks on this host
+# (`slow`): two DeepSpeed runs at once on 2 cores have failed to start. Everything else spreads over the workers.
+ONE_WORKER_FIXTURES = {"image_engine": "image-engine", "trainer_image": "image-engine", "slurm_cluster": "ranks"}
 
 
 # tryfirst: xdist reads the groups in its own collection_modifyitems on the worker, so they must be on by then.
@@ -102,6 +103,9 @@ def pytest_collection_modifyitems(config, items):
             if fixture in item.fixturenames:
                 item.add_marker(pytest.mark.xdist_group(group))
                 break
+        else:  # real ranks on this host (Slurm's too): one run at a time, two at once have failed to start
+            if item.get_closest_marker("slow") and not item.get_closest_marker("xdist_group"):
+                item.add_marker(pytest.mark.xdist_group("ranks"))
     # The long ones first (the engines' groups, then the runs with real ranks): a worker that draws
     # one at the end is the tail of the whole run. Stable: a file's tests keep their order.
     items.sort(key=_start_order)
