@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -137,20 +138,23 @@ def start_run(
     bundle = state.state_dir() / "runs" / run_id
     nodes: list[Node] = []
     try:  # from the first byte of secrets.env: a Ctrl-C, SIGTERM or SIGHUP (core/interrupt.py) still removes it
+        nodes = backend(cluster.provider).nodes(cluster)
+        warming = [threading.Thread(target=node.warm, daemon=True) for node in nodes]  # SSH: connect as it renders
+        [thread.start() for thread in warming]  # type: ignore[func-returns-value]
         render_bundle(cfg, spec, bundle)
         for name, text in (seed_files or {}).items():
             atomic_write(bundle / name, text)
-        nodes = backend(cluster.provider).nodes(cluster)
+        [thread.join() for thread in warming]  # type: ignore[func-returns-value]
         if cluster.runtime == "docker":  # a no-op (an ID check) when `up` shipped it already
             from provision.flows.image import ship_cluster
 
             ship_cluster(cfg, cluster, say, nodes)
         size = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file())
         say(f"shipping the run bundle ({size / 1e6:,.1f} MB) to {len(nodes)} node(s)")
-        for node, rec in zip(nodes, cluster.nodes, strict=True):
+        for node, rec in zip(nodes[1:], cluster.nodes[1:], strict=True):  # every other node has it before the start
             node.put_dir(bundle, run_dir_of(rec.workdir, run_id))
         with interrupt.deferred():  # once launch.sh runs, the run is recorded before a Ctrl-C lands
-            pgid = nodes[0].start_detached(spec.run_dir, "launch.sh", "job.log")
+            pgid = nodes[0].ship_and_start(bundle, spec.run_dir, "launch.sh", "job.log")
             record = state.RunRecord(
                 run_id=run_id,
                 cluster=cluster.name,

@@ -159,6 +159,16 @@ class Node:
         except (ValueError, IndexError):
             raise RemoteError(f"{self.label}: could not start {script} (got {out!r})") from None
 
+    def ship_and_start(self, local: Path, remote: str, script: str, log: str) -> int:
+        """put_dir(local, remote), then start_detached(remote, script, log); its pgid. A transport
+        that can do both in one exchange (SSH: one exec channel) overrides it."""
+        self.put_dir(local, remote)
+        return self.start_detached(remote, script, log)
+
+    def warm(self) -> None:
+        """Open what the next command needs (SSH: the connection), so that it can happen while the
+        caller does other work; errors are left for that command to report."""
+
     def read_new(self, path: str, offset: int, limit: int = READ_BYTES) -> tuple[str, int]:
         """What a growing file holds from byte `offset` on (at most `limit` bytes), and the offset after it."""
         script = '[ -f "$1" ] && tail -c +"$2" -- "$1" | head -c "$3"'

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
 IO_TIMEOUT = 30.0  # an SFTP reply slower than this means a hung connection (half-open TCP)
 _T = TypeVar("_T")
+Feed = Callable[[paramiko.Channel], None]  # writes a command's input into its channel
 _M = TypeVar("_M")
 
 
@@ -186,8 +187,9 @@ class SSHNode(Node):
 
     # commands -----------------------------------------------------------------------------
     def _execute(
-        self, argv: list[str], timeout: float | None, stream: LineSink | None, stdin: bytes | None
+        self, argv: list[str], timeout: float | None, stream: LineSink | None, stdin: bytes | None | Feed
     ) -> CommandResult:
+        """stdin: bytes, or a function that writes the command's input into the channel (a stream)."""
         command = shlex.join(str(a) for a in argv)
         transport = self.client().get_transport()
         try:
@@ -200,7 +202,12 @@ class SSHNode(Node):
             chan.close()
 
     def _exchange(
-        self, chan: paramiko.Channel, command: str, timeout: float | None, stream: LineSink | None, stdin: bytes | None
+        self,
+        chan: paramiko.Channel,
+        command: str,
+        timeout: float | None,
+        stream: LineSink | None,
+        stdin: bytes | None | Feed,
     ) -> CommandResult:
         deadline = time.monotonic() + timeout if timeout else None
         wait_s = timeout or self.connect_timeout + 30  # for one answer of the node (without a deadline too)
@@ -210,7 +217,9 @@ class SSHNode(Node):
         try:
             answered_within(chan, lambda: chan.exec_command(command), wait_s)
             chan.settimeout(wait_s)  # sendall below: a node that takes no input
-            if stdin:
+            if callable(stdin):
+                stdin(chan)
+            elif stdin:
                 chan.sendall(stdin)
             chan.shutdown_write()
             while True:
@@ -246,6 +255,36 @@ class SSHNode(Node):
             if pending:
                 stream(pending)
         return CommandResult(chan.recv_exit_status(), out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
+
+    def warm(self) -> None:
+        """Connect now (train: while the bundle renders); a failure is reported by the next command."""
+        try:
+            self.connection()
+        except RemoteError:
+            pass
+
+    def ship_and_start(self, local: Path, remote: str, script: str, log: str) -> int:
+        """put_dir + start_detached in one exec channel (transport/ssh/ship.py); over SFTP on a node without tar."""
+        from provision.transport.ssh.ship import NO_TAR, SHIP_SCRIPT, ChannelFile, write_tar
+
+        sent: list[ChannelFile] = []
+
+        def feed(chan: paramiko.Channel) -> None:
+            sent.append(ChannelFile(chan))
+            write_tar(Path(local), sent[0])
+
+        result = self._execute(["bash", "-c", SHIP_SCRIPT, "gpuctl", remote, script, log], None, None, feed)
+        if result.rc == NO_TAR:
+            return super().ship_and_start(local, remote, script, log)
+        try:
+            if result.rc == 0:
+                return int(result.stdout.split()[-1])
+        except (ValueError, IndexError):
+            pass
+        broken = f" (sending stopped: {sent[0].broken})" if sent and sent[0].broken else ""
+        said = (result.stderr.strip() or result.stdout.strip()).splitlines()
+        detail = "; ".join(line.strip() for line in said if line.strip())[-300:]  # one line
+        raise RemoteError(f"{self.label}: shipping {local} to {remote} and starting {script} failed: {detail}{broken}")
 
     # files --------------------------------------------------------------------------------
     def _sftp(self) -> paramiko.SFTPClient:
