@@ -168,7 +168,8 @@ def test_sigterm_while_shipping_leaves_no_secrets_env(vendor, project, state_dir
     monkeypatch.setenv("MY_TEST_TOKEN", "tok-0123456789")
     cluster.up(load_config(cfg_path), UpOptions(assume_yes=True, say=lambda _line: None, doctor=False))
     killer = Killer(signal.SIGTERM)
-    proxy.on_chunk = lambda *_: killer.fire()  # train's first SSH traffic: put_dir of the bundle
+    # the bundle on its way (a big chunk: the handshake that train starts early sends small ones)
+    proxy.on_chunk = lambda _c, _d, data: killer.fire() if len(data) > 16384 else None
     rc, err = killer.run(project, "train")
     proxy.on_chunk = None
     assert rc == 130 and "shipping the run bundle" in err, err[-3000:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import paramiko
@@ -54,7 +55,7 @@ def test_ship_and_start_is_one_exec_channel(sshd, tmp_path, monkeypatch):
 
     monkeypatch.setattr(paramiko.Transport, "open_session", counting)
     run_dir = tmp_path / "node" / "runs" / "r 1; $(touch pwned)"
-    pgid = node.ship_and_start(bundle(tmp_path / "b"), str(run_dir), "launch.sh", "job.log")
+    pgid = node.ship_and_start(bundle(tmp_path / "b"), str(run_dir), "launch.sh", "job.log", ExitStack())
     assert opened == ["session"]  # no SFTP session, no second channel for the start
     monkeypatch.setattr(paramiko.Transport, "open_session", real_open)
     try:
@@ -80,7 +81,7 @@ def test_ship_and_start_without_tar_falls_back_to_sftp(sshd, tmp_path, monkeypat
     node = node_for(sshd)
     monkeypatch.setattr(ship, "SHIP_SCRIPT", f"exit {ship.NO_TAR}")  # the node's answer when it has no tar
     run_dir = tmp_path / "run"
-    pgid = node.ship_and_start(bundle(tmp_path / "b"), str(run_dir), "launch.sh", "job.log")
+    pgid = node.ship_and_start(bundle(tmp_path / "b"), str(run_dir), "launch.sh", "job.log", ExitStack())
     try:
         wait_for(lambda: (run_dir / "job.log").is_file() and "started" in (run_dir / "job.log").read_text())
         assert (run_dir / "secrets.env").stat().st_mode & 0o777 == 0o600
@@ -93,6 +94,6 @@ def test_a_failed_unpack_is_one_line(sshd, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     with pytest.raises(Exception, match="unpacking the bundle failed") as got:
-        node.ship_and_start(bundle(tmp_path / "b"), str(blocker / "run"), "launch.sh", "job.log")
+        node.ship_and_start(bundle(tmp_path / "b"), str(blocker / "run"), "launch.sh", "job.log", ExitStack())
     assert "\n" not in str(got.value).strip()
     assert node.run(["true"]).rc == 0  # the connection is still good

@@ -97,6 +97,14 @@ def train(
         check_fits(cfg, shape)
     check_batch(cfg.train, shape.world_size)
     cluster = state.load_cluster(cfg.cluster_name)
+    if not cluster.creating:  # SSH: the handshake goes on while the checks below and the render run
+        from provision.core.errors import GpuctlError
+        from provision.transport.remote import warm
+
+        try:
+            warm(backend(cluster.provider).nodes(cluster))
+        except GpuctlError:  # start_run says it, where it always did
+            pass
     if not force:  # `up`'s quick checks (or the last `gpuctl doctor`) found a node that cannot run it
         from provision.flows.doctor import refuse_failed
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 import secrets
-import threading
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -19,6 +19,7 @@ from provision.core import interrupt, state
 from provision.core.errors import GpuctlError, RemoteError
 from provision.flows import nodedata
 from provision.providers import backend
+from provision.transport import remote
 from trainer.objstore.atomic import atomic_write
 
 if TYPE_CHECKING:  # status, logs and cancel only read records: render (jinja2) and the config load with train
@@ -139,22 +140,21 @@ def start_run(
     nodes: list[Node] = []
     try:  # from the first byte of secrets.env: a Ctrl-C, SIGTERM or SIGHUP (core/interrupt.py) still removes it
         nodes = backend(cluster.provider).nodes(cluster)
-        warming = [threading.Thread(target=node.warm, daemon=True) for node in nodes]  # SSH: connect as it renders
-        [thread.start() for thread in warming]  # type: ignore[func-returns-value]
+        remote.warm([] if remote.warming() else nodes)  # SSH: connect as it renders (if `train` did not yet)
         render_bundle(cfg, spec, bundle)
         for name, text in (seed_files or {}).items():
             atomic_write(bundle / name, text)
-        [thread.join() for thread in warming]  # type: ignore[func-returns-value]
+        remote.warmed()
         if cluster.runtime == "docker":  # a no-op (an ID check) when `up` shipped it already
             from provision.flows.image import ship_cluster
 
             ship_cluster(cfg, cluster, say, nodes)
         size = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file())
         say(f"shipping the run bundle ({size / 1e6:,.1f} MB) to {len(nodes)} node(s)")
-        for node, rec in zip(nodes[1:], cluster.nodes[1:], strict=True):  # every other node has it before the start
+        for node, rec in zip(nodes[1:], cluster.nodes[1:], strict=True):  # the others have it before the start
             node.put_dir(bundle, run_dir_of(rec.workdir, run_id))
-        with interrupt.deferred():  # once launch.sh runs, the run is recorded before a Ctrl-C lands
-            pgid = nodes[0].ship_and_start(bundle, spec.run_dir, "launch.sh", "job.log")
+        with ExitStack() as starting:  # once launch.sh starts, the run is recorded before a Ctrl-C lands
+            pgid = nodes[0].ship_and_start(bundle, spec.run_dir, "launch.sh", "job.log", starting)
             record = state.RunRecord(
                 run_id=run_id,
                 cluster=cluster.name,

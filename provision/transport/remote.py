@@ -14,10 +14,12 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, BinaryIO
 
+from provision.core import interrupt
 from provision.core.errors import GpuctlError, RemoteError
 
 LineSink = Callable[[str], None]
@@ -159,10 +161,13 @@ class Node:
         except (ValueError, IndexError):
             raise RemoteError(f"{self.label}: could not start {script} (got {out!r})") from None
 
-    def ship_and_start(self, local: Path, remote: str, script: str, log: str) -> int:
-        """put_dir(local, remote), then start_detached(remote, script, log); its pgid. A transport
-        that can do both in one exchange (SSH: one exec channel) overrides it."""
+    def ship_and_start(self, local: Path, remote: str, script: str, log: str, starting: ExitStack) -> int:
+        """put_dir(local, remote), then start_detached(remote, script, log); its pgid. A Ctrl-C while
+        shipping stops it; once the start is under way it waits (interrupt.deferred, entered into
+        `starting`) until the caller has recorded the run. A transport that can do both in one
+        exchange (SSH: one exec channel) overrides it."""
         self.put_dir(local, remote)
+        starting.enter_context(interrupt.deferred())
         return self.start_detached(remote, script, log)
 
     def warm(self) -> None:
@@ -227,6 +232,27 @@ class Node:
         script = 'n=0; for f in "$1"/runs/*/secrets.env; do [ -e "$f" ] && rm -f -- "$f" && n=$((n+1)); done; echo "$n"'
         out = self.sh(script, workdir.rstrip("/"), check=False, timeout=60).stdout.strip()
         return int(out) if out.isdigit() else 0
+
+
+_WARMING: list[threading.Thread] = []  # warm() calls not yet joined
+
+
+def warm(nodes: list[Node]) -> None:
+    """Each node's warm() in a thread of its own (train: connect while it checks and renders)."""
+    for node in nodes:
+        thread = threading.Thread(target=node.warm, daemon=True)
+        thread.start()
+        _WARMING.append(thread)
+
+
+def warming() -> bool:
+    return bool(_WARMING)
+
+
+def warmed() -> None:
+    """Wait for every warm() started: a command after it reuses that connection, not a second one."""
+    while _WARMING:
+        _WARMING.pop().join()
 
 
 def _pump(pipe: IO[str], sink: LineSink | None, into: list[str]) -> None:

@@ -27,6 +27,7 @@ import shlex
 import threading
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -263,8 +264,10 @@ class SSHNode(Node):
         except RemoteError:
             pass
 
-    def ship_and_start(self, local: Path, remote: str, script: str, log: str) -> int:
-        """put_dir + start_detached in one exec channel (transport/ssh/ship.py); over SFTP on a node without tar."""
+    def ship_and_start(self, local: Path, remote: str, script: str, log: str, starting: ExitStack) -> int:
+        """put_dir + start_detached in one exec channel (transport/ssh/ship.py); over SFTP on a node
+        without tar. A Ctrl-C while the tar goes out cuts it (the node's tar fails: nothing starts);
+        from its last byte on, the start is deferred as the base method's is."""
         from provision.transport.ssh.ship import NO_TAR, SHIP_SCRIPT, ChannelFile, write_tar
 
         sent: list[ChannelFile] = []
@@ -272,10 +275,12 @@ class SSHNode(Node):
         def feed(chan: paramiko.Channel) -> None:
             sent.append(ChannelFile(chan))
             write_tar(Path(local), sent[0])
+            starting.enter_context(interrupt.deferred())
 
         result = self._execute(["bash", "-c", SHIP_SCRIPT, "gpuctl", remote, script, log], None, None, feed)
         if result.rc == NO_TAR:
-            return super().ship_and_start(local, remote, script, log)
+            starting.close()  # nothing started: a Ctrl-C from here stops the SFTP copy again
+            return super().ship_and_start(local, remote, script, log, starting)
         try:
             if result.rc == 0:
                 return int(result.stdout.split()[-1])
