@@ -5,8 +5,8 @@ same DeepSpeed command started by hand over ssh.
     .venv/bin/python benchmarks/bench_ssh_start.py --rounds 5 --ranks 2 --json out.json
 
 A loopback sshd (tests/sshd.py) plays the node. `gpuctl up` runs once, untimed.
-  gpuctl:  `gpuctl train`: render the bundle, SFTP it, start launch.sh detached, follow
-           job.log (what the user sees).
+  gpuctl:  `gpuctl train`: render the bundle, ship it as tar and start launch.sh detached in
+           one exec channel (connected while it renders), follow job.log (what the user sees).
   by hand: `ssh node 'cd RUN && env ... python -m deepspeed.launcher.runner ... --module trainer
            run.json'` on a copy of the same bundle already on the node (no render, no copy,
            no status file, no follow), its output streamed back by ssh.
