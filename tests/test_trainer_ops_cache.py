@@ -33,9 +33,14 @@ def test_without_a_ninja_of_its_own_path_is_left_alone(tmp_path):
 
 
 def ops_dir(launch_sh: Path, home: Path) -> str:
-    """The TORCH_EXTENSIONS_DIR the rendered launch.sh exports (its own two lines, run by bash)."""
-    lines = [line for line in launch_sh.read_text().splitlines() if line.startswith("export TORCH_EXT")]
-    assert len(lines) == 1, lines
+    """The TORCH_EXTENSIONS_DIR the rendered launch.sh exports (its own lines: the Python start that names
+    the folder with the port, and the export; run by bash)."""
+    lines = [
+        line
+        for line in launch_sh.read_text().splitlines()
+        if line.startswith(("export TORCH_EXT", "{ IFS= read -r GPUCTL_OPS"))
+    ]
+    assert len(lines) == 2, lines
     env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"} | {"HOME": str(home)}
     env["PYTHONPATH"] = str(REPO)  # launch.sh has the shipped package on it (lib/)
     script = "\n".join([*lines, 'echo "$TORCH_EXTENSIONS_DIR"'])
