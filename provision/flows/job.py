@@ -150,7 +150,8 @@ def start_run(
         for node, rec in zip(nodes, cluster.nodes, strict=True):
             node.put_dir(bundle, run_dir_of(rec.workdir, run_id))
         with interrupt.deferred():  # once launch.sh runs, the run is recorded before a Ctrl-C lands
-            pgid = nodes[0].start_detached(spec.run_dir, "launch.sh", "job.log")
+            restarts = cfg.recovery.restarts_allowed(bool(getattr(cfg.provider, "interruptible", False)))
+            pgid = nodes[0].start_detached(spec.run_dir, "launch.sh", "job.log", restarts)
             record = state.RunRecord(
                 run_id=run_id,
                 cluster=cluster.name,
@@ -227,6 +228,11 @@ def read_status(run: state.RunRecord, node: Node) -> RunStatus:
         if run_state == "running":  # `gpuctl cancel` elsewhere (a queued Slurm job never wrote status.json)
             recorded = state.load_run(run.run_id).state
             run_state = recorded if recorded in TERMINAL else "lost"  # else: killed without writing its end
+    if run_state in TERMINAL and run.state == "running" and run.pgid:
+        if not node.job_over(run.pgid):  # Slurm requeued it: launch.sh starts again
+            run_state = "running"
+        else:
+            node.drop_run_secrets(run.run_dir)
     # The scheduler's word (provider slurm) while the run is open: queued, or how the job ended (TIMEOUT, NODE_FAIL)
     queue = node.queue_state(run.pgid) if run.pgid and run.state == "running" else None
     last = tail[0] if tail else {}
@@ -364,6 +370,8 @@ def cancel(run: state.RunRecord, *, grace_s: float = 20) -> bool:
 
             remove_container(run, node)  # a killed `docker run` client leaves its container running
         gone = not node.group_alive(run.pgid)
+        if gone:
+            node.drop_run_secrets(run.run_dir)
     finally:
         node.close()
     if gone:
