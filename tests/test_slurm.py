@@ -163,13 +163,16 @@ def test_up_checks_the_login_node_and_holds_nothing(project, gpuctl: Gpuctl, slu
 
 
 @pytest.mark.slow
-def test_train_on_slurm_succeeds_with_falling_loss(project, gpuctl: Gpuctl, slurm, tmp_path):
-    write_config(project, gpuctl, tmp_path / "shared", max_steps=8, checkpoint_every=4, micro_batch=1, grad_accum=2)
-    cfg = yaml.safe_load((project / "gpuctl.yaml").read_text())
-    (project / "gpuctl.yaml").write_text(yaml.safe_dump({**cfg, "secrets": ["HF_TOKEN"]}))
+def test_train_on_slurm_succeeds_with_falling_loss(project, gpuctl: Gpuctl, slurm, tmp_path, s3_server, fresh_bucket):
+    top = {
+        "secrets": ["HF_TOKEN"],
+        "storage": {"url": f"s3://{fresh_bucket}/slurm", "endpoint_url": s3_server.endpoint},
+    }
+    shape = {"max_steps": 8, "checkpoint_every": 4, "micro_batch": 1, "grad_accum": 2}
+    write_config(project, gpuctl, tmp_path / "shared", top=top, **shape)
     token = "tok-" + secrets.token_hex(8)
     assert gpuctl("up").returncode == 0
-    train = gpuctl("train", "-v", env={"HF_TOKEN": token, "AWS_SECRET_ACCESS_KEY": token + "aws"})
+    train = gpuctl("train", "-v", env={"HF_TOKEN": token, "AWS_SECRET_ACCESS_KEY": token + "aws"})  # moto takes any
     assert train.returncode == 0, train.stdout[-4000:] + train.stderr[-2000:]
     assert "gpuctl: Slurm job" in train.stdout  # the batch script ran under Slurm (job log)
     status = json.loads(gpuctl("status", "--json").stdout)["run"]
@@ -179,7 +182,7 @@ def test_train_on_slurm_succeeds_with_falling_loss(project, gpuctl: Gpuctl, slur
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["loss"] < metrics[0]["loss"]
     assert not (run_dir / "secrets.env").exists()  # the ranks read it and it went
-    assert any((project / "gpuctl-storage").rglob("*.pt"))  # checkpoints reached the store
+    assert stored_tags(s3_server, fresh_bucket, "slurm/") == {"step4", "step8"}  # complete checkpoints in S3
     assert slurm.jobs() == []
     # sbatch copies the submitting shell's environment into the job by default, and slurmctld keeps it
     # in its state files: gpuctl names what travels, so no secret of its shell reaches Slurm's disk
@@ -339,3 +342,17 @@ def test_a_requeued_job_resumes_with_the_losses_of_an_uninterrupted_run(
     assert not list(run_dir.glob("secrets.*"))  # the run is over: no copy of its secrets is left
     assert slurm.jobs() == []
     assert gpuctl("down").returncode == 0
+
+
+def test_a_restart_resumes_from_the_newest_tag_this_run_saved(tmp_path, monkeypatch):
+    from trainer.config import requeued_resume
+
+    run = tmp_path / "run"
+    assert requeued_resume(run, {"url": "s3://b/x"}, None) is None  # nothing saved before the requeue: fresh
+    assert requeued_resume(run, {"url": "s3://b/x"}, "step2") == "step2"  # ... or what the run resumed from
+    for tag in ("step3", "step12", "step6"):
+        (run / "checkpoints" / tag).mkdir(parents=True)
+    assert requeued_resume(run, {"url": "s3://b/x"}, None) == "step12"  # the store falls back if incomplete
+    assert requeued_resume(run, None, None) is None  # no store and no DeepSpeed `latest`
+    (run / "checkpoints" / "latest").write_text("step12")
+    assert requeued_resume(run, None, None) == str((run / "checkpoints").resolve())
