@@ -22,14 +22,19 @@ from hypothesis import strategies as st
 from provision.core.provider_config import SlurmProvider
 from provision.providers.slurm import SlurmNode, gres_gpus, job_options, site_gpu_request
 from provision.transport.remote import CommandResult, Node
+from tests import test_trainer_helpers as h
 from tests.fakes.harness import wait_until
 from tests.helpers import Gpuctl
 from tests.slurm import GPUS
 
 
-def write_config(project: Path, gpuctl: Gpuctl, workdir: Path, provider: dict | None = None, **train) -> None:
+def write_config(
+    project: Path, gpuctl: Gpuctl, workdir: Path, provider: dict | None = None, top: dict | None = None, **train
+) -> None:
+    """gpuctl.yaml for the test's Slurm; `top`: whole sections to replace (storage, recovery, secrets)."""
     assert gpuctl("init", "--force").returncode == 0
     cfg = yaml.safe_load((project / "gpuctl.yaml").read_text())
+    cfg.update(top or {})
     workdir.mkdir(parents=True, exist_ok=True)
     cfg["provider"] = {
         "kind": "slurm",
@@ -158,13 +163,16 @@ def test_up_checks_the_login_node_and_holds_nothing(project, gpuctl: Gpuctl, slu
 
 
 @pytest.mark.slow
-def test_train_on_slurm_succeeds_with_falling_loss(project, gpuctl: Gpuctl, slurm, tmp_path):
-    write_config(project, gpuctl, tmp_path / "shared", max_steps=8, checkpoint_every=4, micro_batch=1, grad_accum=2)
-    cfg = yaml.safe_load((project / "gpuctl.yaml").read_text())
-    (project / "gpuctl.yaml").write_text(yaml.safe_dump({**cfg, "secrets": ["HF_TOKEN"]}))
+def test_train_on_slurm_succeeds_with_falling_loss(project, gpuctl: Gpuctl, slurm, tmp_path, s3_server, fresh_bucket):
+    top = {
+        "secrets": ["HF_TOKEN"],
+        "storage": {"url": f"s3://{fresh_bucket}/slurm", "endpoint_url": s3_server.endpoint},
+    }
+    shape = {"max_steps": 8, "checkpoint_every": 4, "micro_batch": 1, "grad_accum": 2}
+    write_config(project, gpuctl, tmp_path / "shared", top=top, **shape)
     token = "tok-" + secrets.token_hex(8)
     assert gpuctl("up").returncode == 0
-    train = gpuctl("train", "-v", env={"HF_TOKEN": token, "AWS_SECRET_ACCESS_KEY": token + "aws"})
+    train = gpuctl("train", "-v", env={"HF_TOKEN": token, "AWS_SECRET_ACCESS_KEY": token + "aws"})  # moto takes any
     assert train.returncode == 0, train.stdout[-4000:] + train.stderr[-2000:]
     assert "gpuctl: Slurm job" in train.stdout  # the batch script ran under Slurm (job log)
     status = json.loads(gpuctl("status", "--json").stdout)["run"]
@@ -174,7 +182,7 @@ def test_train_on_slurm_succeeds_with_falling_loss(project, gpuctl: Gpuctl, slur
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["loss"] < metrics[0]["loss"]
     assert not (run_dir / "secrets.env").exists()  # the ranks read it and it went
-    assert any((project / "gpuctl-storage").rglob("*.pt"))  # checkpoints reached the store
+    assert stored_tags(s3_server, fresh_bucket, "slurm/") == {"step4", "step8"}  # complete checkpoints in S3
     assert slurm.jobs() == []
     # sbatch copies the submitting shell's environment into the job by default, and slurmctld keeps it
     # in its state files: gpuctl names what travels, so no secret of its shell reaches Slurm's disk
@@ -275,3 +283,76 @@ def test_the_walltime_warning_saves_a_checkpoint_and_stops(project, gpuctl: Gpuc
     assert "saved step" in (run_dir / "job.log").read_text()
     assert any(p.name == f"step{step}" for p in (project / "gpuctl-storage").rglob("*"))  # uploaded
     assert gpuctl("down").returncode == 0
+
+
+def stored_tags(s3_server, bucket: str, prefix: str) -> set[str]:
+    """The tags with a manifest in the bucket (complete or not)."""
+    listed = s3_server.client().list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
+    return {obj["Key"][len(prefix) :].split("/")[0] for obj in listed if obj["Key"].endswith("manifest.json")}
+
+
+@pytest.mark.slow
+def test_a_requeued_job_resumes_with_the_losses_of_an_uninterrupted_run(
+    project, gpuctl: Gpuctl, slurm, tmp_path, s3_server, fresh_bucket
+):
+    """Slurm requeues the job (scontrol requeue: what a preemption or a node failure does) and runs the batch
+    script again: the ranks resume from the newest complete checkpoint in S3, whose credentials reach the
+    restart through the kept 0600 secrets file, gone once the run is over. The follow sees one run."""
+    shape = {"max_steps": 10, "checkpoint_every": 3, "micro_batch": 1, "grad_accum": 2}
+    write_config(project, gpuctl, tmp_path / "shared", top={"storage": {"url": "ref-store"}}, **shape)
+    assert gpuctl("up").returncode == 0
+    assert gpuctl("train").returncode == 0
+    reference = json.loads(gpuctl("status", "--json").stdout)["run"]["run_dir"]
+    uninterrupted = h.losses(Path(reference))
+
+    storage = {"url": f"s3://{fresh_bucket}/rq", "endpoint_url": s3_server.endpoint}
+    top = {"storage": storage, "recovery": {"max_restarts": 1}}
+    write_config(project, gpuctl, tmp_path / "shared", top=top, **shape)
+    follow = subprocess.Popen(
+        [sys.executable, "-m", "provision.cli", "train"],
+        cwd=project,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_until(lambda: stored_tags(s3_server, fresh_bucket, "rq/"), 240, "a checkpoint in S3")
+        (job,) = [line.split()[0] for line in slurm.jobs()]
+        slurm.sh("scontrol", "requeue", job)
+        wait_until(lambda: "Restarts=1" in slurm.sh("scontrol", "show", "job", job).stdout, 60, "the requeue")
+        run_dir = Path(json.loads(gpuctl("status", "--json").stdout)["run"]["run_dir"])
+        kept = run_dir / "secrets.keep"
+        assert kept.is_file() and kept.stat().st_mode & 0o777 == 0o600  # for the restart, owner-only
+        slurm.sh("scontrol", "update", f"JobId={job}", "StartTime=now")  # Slurm holds a requeued job ~2 min
+        out, _ = follow.communicate(timeout=300)
+    finally:
+        if follow.poll() is None:
+            follow.kill()
+            follow.wait()
+    assert follow.returncode == 0, out[-4000:]
+    log = (run_dir / "job.log").read_text()
+    assert "requeued the job (restart 1 of 1)" in log and "resumed from" in log, log[-3000:]
+    resumed_at = int(log.split("resumed from", 1)[1].split("at step", 1)[1].split()[0])
+    assert 3 <= resumed_at < 10 and resumed_at % 3 == 0
+    assert json.loads(gpuctl("status", "--json").stdout)["run"]["state"] == "succeeded"
+    after = h.losses(run_dir)  # a step trained again after the resume: its last line
+    assert sorted(after) == list(range(1, 11))
+    for step, loss in after.items():
+        assert loss == pytest.approx(uninterrupted[step], abs=1e-6), (step, after, uninterrupted)
+    assert not list(run_dir.glob("secrets.*"))  # the run is over: no copy of its secrets is left
+    assert slurm.jobs() == []
+    assert gpuctl("down").returncode == 0
+
+
+def test_a_restart_resumes_from_the_newest_tag_this_run_saved(tmp_path, monkeypatch):
+    from trainer.config import requeued_resume
+
+    run = tmp_path / "run"
+    assert requeued_resume(run, {"url": "s3://b/x"}, None) is None  # nothing saved before the requeue: fresh
+    assert requeued_resume(run, {"url": "s3://b/x"}, "step2") == "step2"  # ... or what the run resumed from
+    for tag in ("step3", "step12", "step6"):
+        (run / "checkpoints" / tag).mkdir(parents=True)
+    assert requeued_resume(run, {"url": "s3://b/x"}, None) == "step12"  # the store falls back if incomplete
+    assert requeued_resume(run, None, None) is None  # no store and no DeepSpeed `latest`
+    (run / "checkpoints" / "latest").write_text("step12")
+    assert requeued_resume(run, None, None) == str((run / "checkpoints").resolve())

@@ -31,6 +31,9 @@ STRATEGIES = ("deepspeed", "fsdp")
 # a rank waiting for local rank 0 to download a 7B checkpoint or tokenize a large dataset).
 DEFAULT_COLLECTIVE_TIMEOUT_S = 1800
 TIMEOUT_ENV = "GPUCTL_COLLECTIVE_TIMEOUT_S"  # on the node (gpuctl.yaml env), overrides run.json
+# Set by a batch scheduler's restart of the same run (provider slurm's requeue: slurm.sh): resume from the
+# newest complete checkpoint this run saved before it was stopped.
+REQUEUED_ENV = "GPUCTL_REQUEUED"
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,8 @@ def parse_run_config(raw: dict, run_dir: Path) -> RunConfig:
     storage = raw.get("storage")
     if storage is not None and not isinstance(storage, dict):
         raise TrainerError("run.json: storage must be an object or null")
+    if os.environ.get(REQUEUED_ENV):
+        resume = requeued_resume(run_dir, storage, resume)
     known = ("run_id", "ds_config", "num_nodes", "train", "storage", "resume", "collective_timeout_s")
     unknown += [k for k in raw if k not in known]
     num_nodes = raw.get("num_nodes", 1)
@@ -146,6 +151,20 @@ def parse_run_config(raw: dict, run_dir: Path) -> RunConfig:
         run_dir=run_dir,
         warnings=tuple(f"run.json: ignoring unknown key {k}" for k in unknown),
     )
+
+
+def requeued_resume(run_dir: Path, storage: dict | None, resume: str | None) -> str | None:
+    """Where a restarted run continues: its newest complete checkpoint. With a store, the newest tag this
+    run saved (checkpoints/ on the shared filesystem): the store's copy if complete, else its newest complete
+    one before it (retention.download), never a later run's. Without one, DeepSpeed's save dir in the run
+    dir. Nothing saved yet by this run: what the run started from."""
+    ckpt = run_dir / "checkpoints"
+    steps = [int(p.name[4:]) for p in ckpt.glob("step*") if p.is_dir() and p.name[4:].isdigit()]
+    if not steps:
+        return resume
+    if storage is not None:
+        return f"step{max(steps)}"
+    return str(ckpt.resolve()) if (ckpt / "latest").is_file() else resume
 
 
 def _timeout(value: object, where: str) -> int:

@@ -17,7 +17,7 @@ class RecoveryConfig(BaseModel):
         default=None,
         ge=0,
         le=100,
-        description="new nodes a run may get; null = 3 for interruptible offers, 0 otherwise (then a lost run is marked lost, its nodes terminated, and gpuctl prints the command that resumes it)",
+        description="new nodes a run may get; null = 3 for interruptible offers, 0 otherwise (then a lost run is marked lost, its nodes terminated, and gpuctl prints the command that resumes it). Provider slurm: how often Slurm may requeue the job (--requeue), each restart resuming from the newest complete checkpoint",
     )
     lost_after: float = Field(
         default=300,

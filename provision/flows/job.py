@@ -154,7 +154,8 @@ def start_run(
         for node, rec in zip(nodes[1:], cluster.nodes[1:], strict=True):  # the others have it before the start
             node.put_dir(bundle, run_dir_of(rec.workdir, run_id))
         with ExitStack() as starting:  # once launch.sh starts, the run is recorded before a Ctrl-C lands
-            pgid = nodes[0].ship_and_start(bundle, spec.run_dir, "launch.sh", "job.log", starting)
+            restarts = cfg.recovery.restarts_allowed(bool(getattr(cfg.provider, "interruptible", False)))
+            pgid = nodes[0].ship_and_start(bundle, spec.run_dir, "launch.sh", "job.log", starting, restarts)
             record = state.RunRecord(
                 run_id=run_id,
                 cluster=cluster.name,
@@ -231,6 +232,11 @@ def read_status(run: state.RunRecord, node: Node) -> RunStatus:
         if run_state == "running":  # `gpuctl cancel` elsewhere (a queued Slurm job never wrote status.json)
             recorded = state.load_run(run.run_id).state
             run_state = recorded if recorded in TERMINAL else "lost"  # else: killed without writing its end
+    if run_state in TERMINAL and run.state == "running" and run.pgid:
+        if not node.job_over(run.pgid):  # Slurm requeued it: launch.sh starts again
+            run_state = "running"
+        else:
+            node.drop_run_secrets(run.run_dir)
     # The scheduler's word (provider slurm) while the run is open: queued, or how the job ended (TIMEOUT, NODE_FAIL)
     queue = node.queue_state(run.pgid) if run.pgid and run.state == "running" else None
     last = tail[0] if tail else {}
@@ -368,6 +374,8 @@ def cancel(run: state.RunRecord, *, grace_s: float = 20) -> bool:
 
             remove_container(run, node)  # a killed `docker run` client leaves its container running
         gone = not node.group_alive(run.pgid)
+        if gone:
+            node.drop_run_secrets(run.run_dir)
     finally:
         node.close()
     if gone:

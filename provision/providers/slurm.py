@@ -56,8 +56,32 @@ echo "gpuctl: Slurm job $SLURM_JOB_ID on $SLURM_JOB_NODELIST (master $MASTER_ADD
 # The walltime warning (sbatch --signal=USR1@N) reaches every process of the step: launch.sh and the
 # launcher ignore it (inherited), the ranks catch it, save a checkpoint and stop (trainer/stop_signal.py).
 export GPUCTL_STOP_SIGNAL=USR1
-# --export=ALL: this script's environment (sbatch's SLURM_EXPORT_ENV would narrow srun's to sbatch's list)
+{requeue}# --export=ALL: this script's environment (sbatch's SLURM_EXPORT_ENV would narrow srun's to sbatch's list)
 srun --export=ALL --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c 'trap "" USR1; exec bash launch.sh'
+RC=$?
+{ended}exit $RC
+"""
+# With --requeue (recovery.max_restarts > 0) Slurm runs this script again after a preemption or a node
+# failure, in the same run dir. The ranks delete secrets.env once they have read it, so the first start
+# keeps a hard link (secrets.keep: the same 0600 file) for the next; it goes when the run ends for good.
+REQUEUE = """RESTART=${{SLURM_RESTART_COUNT:-0}}
+if [ "$RESTART" -gt {max_restarts} ]; then
+  echo "gpuctl: Slurm requeued the job $RESTART times, more than recovery.max_restarts ({max_restarts}); not restarting"
+  rm -f secrets.keep secrets.env
+  printf '{{"state": "failed", "exit_code": 1, "started_at": %s, "ended_at": %s}}\n' "$(date +%s)" "$(date +%s)" > status.json
+  exit 1
+elif [ "$RESTART" -gt 0 ]; then
+  echo "gpuctl: Slurm requeued the job (restart $RESTART of {max_restarts}): the ranks resume from the newest complete checkpoint"
+  [ -f secrets.keep ] && ln -f secrets.keep secrets.env
+  export GPUCTL_REQUEUED=$RESTART
+elif [ -f secrets.env ]; then
+  ln -f secrets.env secrets.keep
+fi
+"""
+# After srun: launch.sh wrote how the run ended. Succeeded or failed by itself: no requeue follows, so the
+# kept secrets go. Cancelled (a signal: scancel, or Slurm's own requeue) keeps them for a restart;
+# gpuctl removes them once Slurm lists the job as over (SlurmNode.drop_run_secrets).
+ENDED = """grep -qE '"state": "(succeeded|failed)"' status.json 2>/dev/null && rm -f secrets.keep
 """
 
 
@@ -150,18 +174,21 @@ class SlurmNode(Node):
     def close(self) -> None:
         self.login.close()
 
-    def start_detached(self, cwd: str, script: str, log: str) -> int:
-        """Submit `script` as one batch job (through slurm.sh) with its output in `log`; the job id."""
+    def start_detached(self, cwd: str, script: str, log: str, restarts: int = 0) -> int:
+        """Submit `script` as one batch job (through slurm.sh) with its output in `log`; the job id.
+        restarts > 0: Slurm may requeue it that often (preemption, node failure), each start resuming."""
         run_id = cwd.rstrip("/").rsplit("/", 1)[-1]
-        batch = BATCH.format(run_id=run_id, run_dir=shlex.quote(cwd))
+        requeue = REQUEUE.format(max_restarts=restarts) if restarts else ""
+        batch = BATCH.format(run_id=run_id, run_dir=shlex.quote(cwd), requeue=requeue, ended=ENDED if restarts else "")
         if script != "launch.sh":  # slurm.sh starts launch.sh; nothing else is submitted
             raise RemoteError(f"{self.label}: cannot submit {script}")
         self.write_text(f"{cwd}/{BATCH_SCRIPT}", batch, "700")
         argv = ["sbatch", "--parsable", "--job-name", f"gpuctl-{run_id}", "--chdir", cwd, "--output", f"{cwd}/{log}"]
         argv.append("--export=" + ",".join(EXPORT))
-        # Slurm requeues a batch job after a node failure by default (JobRequeue=1): it would run launch.sh
-        # again from step 0 in the same run dir. Until a requeued job resumes, it ends and `--resume` continues.
-        argv.append("--no-requeue")
+        # Slurm requeues a batch job after a node failure by default (JobRequeue=1): only when recovery.max_restarts
+        # allows it (the restart resumes; a requeued job without that would train again from step 0 over its run dir).
+        # A restart appends to the log the follow has read so far (sbatch truncates it by default).
+        argv += ["--requeue", "--open-mode=append"] if restarts else ["--no-requeue"]
         out = self.run([*argv, *self.options, f"{cwd}/{BATCH_SCRIPT}"], timeout=60).stdout.strip()
         match = JOB_ID.match(out.splitlines()[-1] if out else "")
         if not match:
@@ -202,6 +229,14 @@ class SlurmNode(Node):
         # TERM: Slurm's own stop (TERM to every step and the batch shell, KILL after KillWait).
         argv = ["scancel", str(pgid)] if sig == "TERM" else ["scancel", "--signal", sig, "--full", str(pgid)]
         self.run(argv, check=False, timeout=30)
+
+    def job_over(self, pgid: int) -> bool:
+        # launch.sh's end is the run's only once Slurm lists the job as over: a requeued job starts it again
+        return not self.group_alive(pgid)
+
+    def drop_run_secrets(self, run_dir: str) -> None:
+        """The run's secrets once its job is over for good (a requeued job's kept copy included)."""
+        self.sh('rm -f -- "$1/secrets.env" "$1/secrets.keep"', run_dir.rstrip("/"), check=False, timeout=30)
 
     def queue_state(self, pgid: int) -> str | None:
         state_, reason = self.job_state(pgid)

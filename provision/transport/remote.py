@@ -153,22 +153,23 @@ class Node:
         script = 'umask 077; case "$1" in */*) d="${1%/*}";; *) d=.;; esac; mkdir -p -- "${d:-/}" && cat > "$1" && chmod "$2" "$1"'
         self.run(["bash", "-c", script, "gpuctl", path, mode], stdin=text.encode(), timeout=60)
 
-    def start_detached(self, cwd: str, script: str, log: str) -> int:
-        """Start `bash script` in cwd, detached, output to log; returns its pid (= its pgid)."""
+    def start_detached(self, cwd: str, script: str, log: str, restarts: int = 0) -> int:
+        """Start `bash script` in cwd, detached, output to log; returns its pid (= its pgid).
+        restarts: how often a batch scheduler may start it again (provider slurm); nothing restarts it here."""
         out = self.sh(DETACH_SCRIPT, cwd, script, log, timeout=60).stdout.strip()
         try:
             return int(out.splitlines()[-1])
         except (ValueError, IndexError):
             raise RemoteError(f"{self.label}: could not start {script} (got {out!r})") from None
 
-    def ship_and_start(self, local: Path, remote: str, script: str, log: str, starting: ExitStack) -> int:
-        """put_dir(local, remote), then start_detached(remote, script, log); its pgid. A Ctrl-C while
+    def ship_and_start(self, local: Path, remote: str, script: str, log: str, starting: ExitStack, restarts: int = 0) -> int:
+        """put_dir(local, remote), then start_detached(remote, script, log, restarts); its pgid. A Ctrl-C while
         shipping stops it; once the start is under way it waits (interrupt.deferred, entered into
         `starting`) until the caller has recorded the run. A transport that can do both in one
         exchange (SSH: one exec channel) overrides it."""
         self.put_dir(local, remote)
         starting.enter_context(interrupt.deferred())
-        return self.start_detached(remote, script, log)
+        return self.start_detached(remote, script, log, restarts)
 
     def warm(self) -> None:
         """Open what the next command needs (SSH: the connection), so that it can happen while the
@@ -217,6 +218,13 @@ class Node:
         """argv as it runs where the run's ranks will (provider slurm: in a short job); here, as is."""
         return argv
 
+    def job_over(self, pgid: int) -> bool:
+        """Whether launch.sh's end (status.json) is the run's; a batch scheduler may requeue it (provider slurm)."""
+        return True
+
+    def drop_run_secrets(self, run_dir: str) -> None:
+        """Remove what a scheduler's job kept of the run's secrets once it is over; launch.sh does it elsewhere."""
+
     def queue_state(self, pgid: int) -> str | None:
         """What a batch scheduler says of the run (provider slurm: "Slurm job 7 PENDING (Resources)"); None: no scheduler."""
         return None
@@ -225,11 +233,11 @@ class Node:
         return self.sh('printf %s "$HOME"', timeout=30).stdout
 
     def remove_run_secrets(self, workdir: str) -> int:
-        """Delete every run's secrets.env under workdir/runs; how many there were. A launch.sh
-        killed with -9 before its ranks started cannot delete its own: `down` calls this."""
+        """Delete every run's secrets.env (and a Slurm job's secrets.keep) under workdir/runs; how many there
+        were. A launch.sh killed with -9 before its ranks started cannot delete its own: `down` calls this."""
         if not workdir.strip("/"):
             return 0  # a record without a workdir: never glob from /
-        script = 'n=0; for f in "$1"/runs/*/secrets.env; do [ -e "$f" ] && rm -f -- "$f" && n=$((n+1)); done; echo "$n"'
+        script = 'n=0; for f in "$1"/runs/*/secrets.env "$1"/runs/*/secrets.keep; do [ -e "$f" ] && rm -f -- "$f" && n=$((n+1)); done; echo "$n"'
         out = self.sh(script, workdir.rstrip("/"), check=False, timeout=60).stdout.strip()
         return int(out) if out.isdigit() else 0
 
