@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import yaml
 
 from provision.core import state
 from provision.estimate.startup import RATES, StartupInput, beside, estimate_line, first_step, total_s
@@ -170,3 +171,30 @@ def test_a_later_run_on_the_cluster_shows_only_its_own_phases(booted):
     assert "    node-side install: 95 s (estimate 120 s)" in lines
     assert "    ops: 2 s, cpu_adam cache hit (estimate 110 s)" in lines
     assert "    model download: not measured (estimate 250 s)" in lines
+
+
+def test_up_looks_for_the_op_cache_entry_in_the_bucket(s3_server, fresh_bucket, tmp_path):
+    from provision.core.config import load_config
+    from provision.providers.startup_input import bucket_has_ops
+
+    path = tmp_path / "gpuctl.yaml"
+    storage = {"url": f"s3://{fresh_bucket}/runs", "endpoint_url": s3_server.endpoint}
+    path.write_text(yaml.safe_dump({"name": "t", "storage": storage}))
+    cfg = load_config(path)
+    assert bucket_has_ops(cfg) == "miss"
+    put = s3_server.client().put_object
+    put(
+        Bucket=fresh_bucket,
+        Key="runs/_ops/cpu_adam-torch2.10.0_cu128-ds0.19.8-cuda12.9-py3.12-x86-64-v3.json",
+        Body=b"{}",
+    )
+    assert bucket_has_ops(cfg) == "miss"  # another CUDA's build
+    put(
+        Bucket=fresh_bucket,
+        Key="runs/_ops/cpu_adam-torch2.10.0_cu128-ds0.19.8-cuda12.8-py3.12-x86-64-v3.json",
+        Body=b"{}",
+    )
+    assert bucket_has_ops(cfg) == "hit"
+    unreachable = {**storage, "endpoint_url": "http://127.0.0.1:9"}
+    path.write_text(yaml.safe_dump({"name": "t", "storage": unreachable}))
+    assert bucket_has_ops(load_config(path)) == "unknown"  # not checked: counted as a miss, and said
