@@ -113,7 +113,7 @@ def test_up_prints_the_first_step_estimate_before_renting(project, gpuctl, fake,
     assert result.returncode == 0, result.stderr
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("first step in ~")]
     assert "image pull 2 min: 10 GB at 112 MB/s" in line and "node-side install" in line
-    assert "ops 2 min: op cache not checked: counted as a miss" in line
+    assert "ops 2 min: op cache not checked, counted as a miss (compile)" in line
     assert "model download 2 min: 13.8 GB of weights at 900 Mbit/s" in line
     # the prebuilt image: no install, its ops prebuilt, its size unknown to gpuctl (said)
     write_config(project, provider(fake, tmp_path), name="vast-t")

@@ -135,8 +135,8 @@ def _ops(inp: StartupInput, r: Rates, net_mb_s: float) -> Term:
         return Term("ops", 0.0, "prebuilt in the image" if inp.ops == "prebuilt" else "no JIT ops")
     if inp.ops == "hit":
         return Term("ops", r.cache_fixed_s[0] + r.cache_entry_mb[0] / net_mb_s, "op cache hit")
-    why = "op cache miss" if inp.ops == "miss" else "op cache not checked: counted as a miss"
-    return Term("ops", r.compile_s[0], f"{why}: compile")
+    why = "op cache miss" if inp.ops == "miss" else "op cache not checked, counted as a miss"
+    return Term("ops", r.compile_s[0], f"{why} (compile)")
 
 
 def total_s(terms: list[Term]) -> float:
