@@ -51,6 +51,22 @@ def test_offers_per_cloud_type_cheapest_first(fake):
     assert spot[0].spot and spot[0].price_per_hour == pytest.approx(3 * 0.204)
 
 
+def test_up_prints_the_first_step_estimate_before_renting(project, gpuctl, fake, tmp_path):
+    # runtime bootstrap: RunPod's offers say no download speed, so the default rate (500 Mbit/s) counts
+    write_config(
+        project,
+        provider(fake, tmp_path, image=None),
+        name="rp-t",
+        model="deepseek-ai/deepseek-llm-7b-base",
+        zero_stage=3,
+    )
+    result = gpuctl("up", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("first step in ~")]
+    assert "image pull 3 min: 10 GB at 62 MB/s" in line and "node-side install" in line
+    assert "model download 4 min: 13.8 GB of weights at 500 Mbit/s" in line
+
+
 def test_no_capacity_for_the_ram_asked_is_one_line(project, gpuctl, fake, tmp_path):
     write_config(project, provider(fake, tmp_path, min_ram_gb=512), name="rp-t")
     result = gpuctl("up", "--yes")

@@ -29,6 +29,7 @@ from tests.fakes.harness import (
     wait_until,
     write_config,
 )
+from tests.fakes.vast_api import PULL_MSG
 from tests.helpers import GPUCTL
 
 pytestmark = pytest.mark.timeout(240)
@@ -99,6 +100,27 @@ def test_dry_run_shows_the_pick_and_price_and_creates_nothing(project, gpuctl, f
     assert [m for m, _ in fake.requests] == ["POST"] and not fake.instances
 
 
+def test_up_prints_the_first_step_estimate_before_renting(project, gpuctl, fake, tmp_path):
+    # runtime bootstrap (no provider.image): the pinned image's size at the offer's inet_down (900 Mbit/s)
+    write_config(
+        project,
+        provider(fake, tmp_path, image=None),
+        name="vast-t",
+        model="deepseek-ai/deepseek-llm-7b-base",
+        zero_stage=3,
+    )
+    result = gpuctl("up", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("first step in ~")]
+    assert "image pull 2 min: 10 GB at 112 MB/s" in line and "node-side install" in line
+    assert "ops 2 min: op cache not checked, counted as a miss (compile)" in line
+    assert "model download 2 min: 13.8 GB of weights at 900 Mbit/s" in line
+    # the prebuilt image: no install, its ops prebuilt, its size unknown to gpuctl (said)
+    write_config(project, provider(fake, tmp_path), name="vast-t")
+    line = next(x for x in gpuctl("up", "--dry-run").stderr.splitlines() if x.startswith("first step in ~"))
+    assert "image size unknown" in line and "node-side install" not in line and "model download" not in line
+
+
 def test_up_asks_first_and_a_no_creates_nothing(project, gpuctl, fake, tmp_path):
     write_config(project, provider(fake, tmp_path), name="vast-t")
     result = gpuctl("up", input="n\n")
@@ -136,6 +158,10 @@ def test_up_waits_for_ssh_records_price_and_down_is_idempotent(project, gpuctl, 
     assert node.instance_id == "7000001" and node.address == "127.0.0.1" and node.port == fake.ssh.port
     assert node.slots == 3 and node.accelerator == "cpu"  # no GPU on the stand-in: CPU ranks
     assert any("shows no GPU" in line for line in said)
+    # the image pull as far as Vast reports it, timed; `up`'s estimate kept for the first run's summary
+    assert f"vast instance 7000001: loading ({PULL_MSG})" in said
+    assert node.boot_s is not None and any(f"image pulled and booted in {node.boot_s:.0f}s" in x for x in said)
+    assert record.startup_estimate and "image pull" in record.startup_estimate
     body = fake.created_bodies[0]
     assert body["image"] == cfg.provider.image and body["runtype"] == "ssh_direc ssh_proxy"
     assert body["client_id"] == "me" and body["cancel_unavail"] is True and body["onstart"] == vast.ONSTART
@@ -177,6 +203,7 @@ def test_a_node_that_dies_while_booting_is_terminated(project, fake, tmp_path, s
     def exited(inst, count=True):  # the list's view too (count=False): a TypeError there is a 500
         view = real_view(inst, count)
         view["actual_status"] = "exited" if inst["_reads"] > 1 else view["actual_status"]
+        view["status_msg"] = None if inst["_reads"] > 1 else view["status_msg"]  # no pull after the exit
         return view
 
     monkeypatch.setattr(fake, "_view", exited)

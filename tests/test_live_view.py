@@ -163,6 +163,8 @@ def on_a_pipe(gpuctl: Gpuctl) -> None:
     summary = rows[-1]
     assert summary["type"] == "summary" and summary["state"] == "succeeded" and summary["steps"] == 6
     assert summary["final_loss"] < summary["first_loss"] and summary["tokens_per_s"] > 0
+    # each phase before the first step timed (flows/startup_phases.py), as the view showed them
+    assert set(phases[-4:]) <= set(summary["phases"]) and all(v >= 0 for v in summary["phases"].values())
     assert train.stderr.count("started") == 1
 
     plain = gpuctl("logs", "-f")  # stdout is a pipe here too: plain lines
@@ -172,9 +174,11 @@ def on_a_pipe(gpuctl: Gpuctl) -> None:
     assert [line.split()[1] for line in lines if line.startswith("step ")] == ["1/6", "2/6", "4/6", "6/6"]
     assert "phase: tokenizing data: sample" in lines and "checkpoint step6 published" in lines
     assert f"run {summary['run_id']} succeeded" in lines
+    assert any(line.startswith("  before the first step: ") and line.endswith(" s measured") for line in lines)
     assert "  get it as a Hugging Face model: gpuctl ckpt pull step6 --hf ./step6-hf" in lines
 
     verbatim = gpuctl("logs", "-f", "-v")  # everything, as job.log has it
     assert "[INFO]" in verbatim.stdout and "trainer: model tiny" in verbatim.stdout
     status = gpuctl("status")
     assert socket.gethostname() in status.stdout and "localhost:22" not in status.stdout
+    assert "before the first step: " in status.stdout  # summary.json's phases, measured on the node

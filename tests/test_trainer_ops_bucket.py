@@ -38,10 +38,17 @@ print("RESULT", json.dumps({"ops": ops, "file": module.__file__, "adam": hasattr
 """
 
 
-def run_node(storage: dict, root: Path, env: dict[str, str] | None = None, timeout: float = 600) -> tuple[dict, str]:
+def run_node(
+    storage: dict,
+    root: Path,
+    env: dict[str, str] | None = None,
+    timeout: float = 600,
+    run_dir: Path | None = None,
+    script: str = NODE,
+) -> tuple[dict, str]:
     full = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     proc = subprocess.run(
-        [sys.executable, "-c", NODE, json.dumps(storage), str(root)],
+        [sys.executable, "-c", script, json.dumps(storage), str(root), str(run_dir or "")],
         capture_output=True, text=True, env=full, timeout=timeout, cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -96,6 +103,39 @@ def test_a_fresh_node_loads_the_buckets_build_without_compiling(storage, tmp_pat
     # The node's next run: ready locally, no download, no line.
     again, out = run_node(storage, fresh, env={"CXX": "/bin/false"}, timeout=180)
     assert again["adam"] is True and "ops:" not in out
+
+
+# A run's ops step as trainer/loop.py takes it (opscache.for_run), with rank 0's events: the live
+# view's "ops" phase, its outcome, and the seconds summary.json keeps.
+RUN = """
+import json, os, sys
+from pathlib import Path
+from trainer import events, opscache
+from trainer.objstore.store import CheckpointStore
+storage, run_dir = json.loads(sys.argv[1]), Path(sys.argv[3])
+events.start(run_dir, True)
+offload = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
+ops = opscache.for_run(CheckpointStore.from_config(storage), offload, print)
+events.phase("first step")
+events.first_step_done()
+print("RESULT", json.dumps({"ops": ops, **events.summary_fields()}))
+"""
+
+
+def test_a_runs_ops_phase_says_cache_hit_and_is_timed(storage, tmp_path):
+    backend = CheckpointStore.from_config(storage).backend
+    key = node_key()
+    seed_from_first_run(backend, key, tmp_path, ops=("cpu_adam", "deepspeed_shm_comm"))  # CPU ranks need both
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    env = {"CXX": "/bin/false", "CC": "/bin/false", "GPUCTL_OPS_CACHE": "1", "GPUCTL_OPS_DIR": str(tmp_path / "n")}
+    result, _out = run_node(storage, tmp_path / "unused", env=env, timeout=180, run_dir=run_dir, script=RUN)
+    assert sorted(result["ops"]) == ["cpu_adam", "deepspeed_shm_comm"]
+    assert result["phase_notes"] == {"ops": "deepspeed_shm_comm cache hit, cpu_adam cache hit"}
+    assert 0 < result["phases"]["ops"] < 60 and "first step" in result["phases"]
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [(e["kind"], e["name"]) for e in events] == [("phase", "ops"), ("outcome", "ops"), ("phase", "first step")]
+    assert "from the op cache, else compiled" in events[0]["detail"]
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 
 Rank 0 appends one JSON object per line to `events.jsonl` in the run dir:
   {"time": epoch, "kind": "phase", "name": "tokenizing data", "detail": "...", "expect_s": 90}
+  {"time": epoch, "kind": "outcome", "name": "ops", "detail": "cpu_adam cache hit"}  (how a phase went)
   {"time": epoch, "kind": "checkpoint", "tag": "step10", "state": "saving|saved|uploading|published|superseded", "bytes": N}
   ("superseded": a waiting upload skipped because a newer save replaced it; trainer/objstore/uploader.py)
 gpuctl reads the file incrementally (provision/flows/watch.py); job.log keeps the full text.
@@ -22,6 +23,9 @@ COMPILE_EXPECT_S = 110
 
 _lock = threading.Lock()  # the checkpoint uploader's thread writes too
 _path: Path | None = None
+_began: list[tuple[str, float]] = []  # rank 0's phases as they began (summary.json's "phases")
+_first_step: float | None = None  # when the first step ended: the last phase's end
+outcomes: dict[str, str] = {}  # how each phase went, where it said (summary.json's "phase_notes")
 
 
 def start(run_dir: Path, enabled: bool) -> None:
@@ -40,7 +44,48 @@ def emit(kind: str, **fields: object) -> None:
 
 def phase(name: str, detail: str = "", expect_s: float | None = None) -> None:
     """A phase of the run begins (it ends when the next one begins, or at the first step)."""
+    if _path is not None and _first_step is None:
+        _began.append((name, time.time()))
     emit("phase", name=name, detail=detail, **({"expect_s": expect_s} if expect_s else {}))
+
+
+def first_step_done() -> None:
+    """The first step ended (called after every step; only the first counts)."""
+    global _first_step
+    if _first_step is None:
+        _first_step = time.time()
+
+
+def durations() -> dict[str, float]:
+    """Seconds of each phase before the first step (a name seen twice: summed); {} on other ranks."""
+    out: dict[str, float] = {}
+    if not _began:
+        return out
+    ends = [t for _, t in _began[1:]] + [_first_step or time.time()]
+    for (name, began), ended in zip(_began, ends, strict=True):
+        out[name] = round(out.get(name, 0.0) + max(0.0, ended - began), 3)
+    return out
+
+
+def summary_fields() -> dict[str, object]:
+    """summary.json's phases: seconds of each before the first step, and how each went where it said."""
+    return {"phases": durations(), "phase_notes": dict(outcomes)}
+
+
+def outcome(name: str, detail: str) -> None:
+    """How the phase `name` went, once known (the "ops" phase: cache hit or compiled)."""
+    if _path is not None:
+        outcomes[name] = detail
+    emit("outcome", name=name, detail=detail)
+
+
+def model_phase(model: str) -> tuple[str, str]:
+    """The model's phase: a Hub model is downloaded (unless the Hub cache has it) and loaded: "model
+    download", the phase `up`'s first-step estimate names; the built-in tiny model and a local folder
+    are only loaded."""
+    if model == "tiny" or Path(model).expanduser().exists():
+        return "loading model", model
+    return "model download", f"{model} from the Hugging Face Hub (or its cache), then loaded"
 
 
 def checkpoint(tag: str, state: str, size: int | None = None) -> None:

@@ -192,7 +192,7 @@ def setup(cfg: RunConfig, env: DistEnv) -> Session:
     events.phase("tokenizing data", str(cfg.train.data))
     tokenizer = load_tokenizer(cfg.train)
     data = load_data(cfg, env, tokenizer)
-    events.phase("loading model", str(cfg.train.model))
+    events.phase(*events.model_phase(str(cfg.train.model)))
     fsdp = cfg.train.strategy == "fsdp"
     model = build_model(cfg.train, "fp32" if fsdp else precision, tokenizer)  # FSDP: fp32 masters, bf16 compute
     params = count_params(model)
@@ -383,6 +383,7 @@ def summarize(run: Session, stats: RunStats, pos: Position, last_tag: str | None
         "skipped_steps": skipped_steps(run),
         "last_checkpoint": last_tag,
         "save_s": [round(s, 3) for s in stats.saves],  # each checkpoint save, seconds on rank 0
+        **events.summary_fields(),  # the phases before the first step: seconds, and how ops went
     }
 
 

@@ -14,6 +14,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from trainer import events
+
 # Peak dense (no sparsity) fp16/bf16 tensor-core TFLOP/s, from the vendor's datasheets.
 PEAK_TFLOPS: list[tuple[str, float, str]] = [
     (r"H200", 989.0, "NVIDIA H200 datasheet: BF16/FP16 tensor 1,979 TFLOPS with sparsity -> 989 dense"),
@@ -98,6 +100,7 @@ class MetricsLog:
         print(record.line(self.max_steps), flush=True)
         with self.path.open("a") as handle:
             handle.write(json.dumps(asdict(record)) + "\n")
+        events.first_step_done()  # the first record ends the phases before the first step (as the live view's)
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:

@@ -275,9 +275,12 @@ def local_root(environ: dict[str, str] | None = None) -> Path:
     return Path(env.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions") / FOLDER
 
 
-def prepare(backend: Any, ops: tuple[str, ...], log: Log, root: str | None = None) -> list[str]:
+def prepare(
+    backend: Any, ops: tuple[str, ...], log: Log, root: str | None = None, outcomes: dict[str, str] | None = None
+) -> list[str]:
     """Every op in ops ready and registered in this process (fetched or compiled once per node);
-    returns the ops registered. Nothing happens where the cache does not apply (see arch_target)."""
+    returns the ops registered. Nothing happens where the cache does not apply (see arch_target).
+    `outcomes` gets each op's way here: "hit", "compiled" or "on node" (fetched or built before)."""
     arch = arch_target()
     ops = tuple(op for op in ops if op in BUILDERS)
     if arch is None or not ops:
@@ -287,7 +290,11 @@ def prepare(backend: Any, ops: tuple[str, ...], log: Log, root: str | None = Non
     with node_lock(folder):
         for op in ops:
             if not (folder / op / STAMP).is_file() or not (folder / op / f"{op}.so").is_file():
-                ensure(backend, op, key, folder, arch, log)
+                got = ensure(backend, op, key, folder, arch, log)
+            else:
+                got = "on node"
+            if outcomes is not None:
+                outcomes[op] = got
     for op in ops:
         preload(op, folder)
     return list(ops)
@@ -310,7 +317,17 @@ def for_run(store: Any, ds_config: dict, log: Log) -> list[str]:
 
     from trainer.events import ops_needed
 
-    if not enabled(get_accelerator().device_name()):
+    if not enabled(get_accelerator().device_name()) or arch_target() is None:
         return []
     ops = ops_needed(ds_config, at_init=False) + ops_needed(ds_config, at_init=True)
-    return prepare(store.backend, tuple(op for op in ops if not installed_ops.get(op)), log)
+    ops = tuple(op for op in ops if not installed_ops.get(op) and op in BUILDERS)
+    if not ops:
+        return []
+    from trainer import events
+
+    # The live view's "ops" phase: its outcome (cache hit or compile) is said once it is known.
+    events.phase("ops", f"{', '.join(ops)}: from the op cache, else compiled once", events.COMPILE_EXPECT_S)
+    outcomes: dict[str, str] = {}
+    done = prepare(store.backend, ops, log, outcomes=outcomes)
+    events.outcome("ops", ", ".join(f"{op} {'cache hit' if how == 'hit' else how}" for op, how in outcomes.items()))
+    return done

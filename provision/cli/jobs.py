@@ -193,9 +193,13 @@ def status(
 
             run = recover.on_status(run, load_if_present(config), say) or run
             record = state.find_cluster(name) if name else None
+    from provision.flows.startup_phases import status_lines
+
     info = {
         "cluster": state.dump(record) if record else None,
         "run": result.to_json() if result else (state.dump(run) if run else None),
+        # the phases before the first step beside `up`'s estimate, once the run wrote summary.json
+        "startup": status_lines(run, result.summary) if run and result and result.summary else [],
     }
     if as_json:
         typer.echo(json.dumps(info, indent=2))

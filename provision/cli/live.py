@@ -202,7 +202,7 @@ class LiveSink:
         done = [p for p in st.phases if p.ended is not None][self.shown_phases :]
         for phase in done:
             took = (phase.ended or phase.started) - phase.started
-            detail = f": {phase.detail}" if phase.detail else ""
+            detail = f": {phase.outcome or phase.detail}" if phase.outcome or phase.detail else ""
             self.console.print(Text.assemble(("✓ ", "green"), (phase.name, "bold"), detail, (f"  {took:.1f} s", "dim")))
         self.shown_phases += len(done)
         for line in st.fresh_alerts:

@@ -35,19 +35,25 @@ def _report_input(run_id: str | None) -> RunReportInput:
 
 
 def _predictions(run_ids: list[str | None]) -> str:
-    """Per run that `train` predicted: predicted vs measured per part (provision/estimate/forecast.py)."""
+    """Per run that `train` predicted: predicted vs measured per part (provision/estimate/forecast.py), and
+    the phases before its first step beside `up`'s estimate (flows/startup_phases.py)."""
     from provision.core import state
     from provision.estimate.forecast import results_comparison
     from provision.flows import job
+    from provision.flows.startup_phases import results_lines
 
     out = ""
     for run_id in run_ids:
         record = state.load_run(run_id)
-        lines = results_comparison(job.fetch_results(record))
+        results = job.fetch_results(record)
+        lines = results_comparison(results)
         if lines:
             out += (
                 f"\n### {record.run_id}: predicted vs measured (mean per step)\n\n```\n" + "\n".join(lines) + "\n```\n"
             )
+        phases = results_lines(record, results)
+        if phases:
+            out += f"\n### {record.run_id}: before the first step\n\n```\n" + "\n".join(phases) + "\n```\n"
     return out
 
 

@@ -32,7 +32,13 @@ def step_line(rec: dict[str, Any], max_steps: int) -> str:
 def phase_text(event: dict[str, Any]) -> str:
     detail = f": {event['detail']}" if event.get("detail") else ""
     expect = f", about {event['expect_s']:.0f} s" if event.get("expect_s") else ""
-    return f"{event.get('name')}{detail}{expect}"
+    took = f", took {event['took_s']:.0f} s" if isinstance(event.get("took_s"), (int, float)) else ""
+    return f"{event.get('name')}{detail}{expect}{took}"
+
+
+def outcome_text(event: dict[str, Any]) -> str:
+    """How a phase went (trainer/events.py outcome): "ops: cpu_adam cache hit"."""
+    return f"{event.get('name')}: {event.get('detail')}"
 
 
 def checkpoint_text(event: dict[str, Any]) -> str:
@@ -57,6 +63,8 @@ def wall_s(st: WatchState) -> float | None:
 
 def summary_of(st: WatchState) -> dict[str, Any]:
     """The end of a run in figures: what the summary prints and --json's last line holds."""
+    from provision.flows.startup_phases import measured
+
     s = st.status.summary if st.status else {}
     mfus = [m["mfu"] for m in st.metrics if isinstance(m.get("mfu"), (int, float))]
     wall, cluster, tag = wall_s(st), st.info.cluster, s.get("last_checkpoint")
@@ -79,6 +87,8 @@ def summary_of(st: WatchState) -> dict[str, Any]:
         "pull": shlex.join(["gpuctl", "ckpt", "pull", tag, "--hf", f"./{tag}-hf"]) if tag else None,
         "skipped_steps": _count(s.get("skipped_steps", st.last.get("skipped_steps"))),
         "error": s.get("error"),
+        "phases": measured(st.phases),  # seconds of each phase before the first step (flows/startup_phases.py)
+        "startup_estimate": st.info.cluster.startup_estimate if st.info.cluster else None,
     }
 
 
@@ -114,6 +124,9 @@ def summary_lines(st: WatchState) -> list[str]:
         lines.append(
             f"  fp16: {s['skipped_steps']} of {s['steps'] or 0} optimizer steps skipped on overflow (loss scale)"
         )
+    from provision.flows.startup_phases import startup_lines
+
+    lines += startup_lines(st.info.run, st.info.cluster, list(st.phases))
     if s["error"]:
         lines.append(f"  error: {s['error']}")
     if s["checkpoint"]:

@@ -14,7 +14,14 @@ from typing import Any
 
 import typer
 
-from provision.cli.run_text import checkpoint_text, phase_text, step_line, summary_lines, summary_of
+from provision.cli.run_text import (
+    checkpoint_text,
+    outcome_text,
+    phase_text,
+    step_line,
+    summary_lines,
+    summary_of,
+)
 from provision.core import state
 from provision.flows import job
 from provision.flows.watch import Update, WatchState, watch
@@ -34,6 +41,8 @@ class PlainSink:
         for event in new.events:  # phases come before the steps they precede, checkpoints after theirs
             if event.get("kind") == "phase":
                 typer.echo("phase: " + phase_text(event))
+            elif event.get("kind") == "outcome":
+                typer.echo("phase done: " + outcome_text(event))
         for rec in new.metrics:
             typer.echo(step_line(rec, st.info.run.max_steps))
         for event in new.events:

@@ -87,6 +87,8 @@ def print_status(info: dict[str, Any]) -> None:
     console.print(line, highlight=False)
     if isinstance(tps, (int, float)):
         console.print(f"tokens/s {tps:,.0f}  world size {run.get('world_size')}  batch {run.get('train_batch_size')}")
+    for text in info.get("startup") or []:  # flows/startup_phases.py
+        console.print(scrub(text), highlight=False, markup=False)
     for i, event in enumerate(run.get("restarts") or [], 1):  # flows/recover.py: one per lost node
         console.print(
             scrub(

@@ -50,6 +50,7 @@ class NodeRecord(BaseModel):
     price_per_hour: float | None = None  # this node's share of the cluster's $/h (cloud)
     workdir: str = ""  # the node-side root for run dirs
     install_s: float | None = None  # runtime bootstrap: seconds the node-side install took at `up`
+    boot_s: float | None = None  # seconds from `up`'s wait to an SSH login: the vendor's image pull and start
     ssh: SSHRoute | None = None  # ~/.ssh/config: jump hosts, keys, timeouts (ssh provider)
 
 
@@ -80,6 +81,10 @@ class ClusterRecord(BaseModel):
     # `up` left behind; `gpuctl down` (or `sweep`) terminates it, the next `up` replaces it.
     creating: bool = False
     slurm: SlurmProvider | None = None  # provider slurm: login and job shape, so `down` needs no config
+    # `up`'s first-step estimate (provision/estimate/startup.py): seconds per phase name, and the
+    # line it printed; the first run's summary puts the measured phases beside it.
+    startup_estimate: dict[str, float] | None = None
+    startup_line: str | None = None
 
     @property
     def world_size(self) -> int:

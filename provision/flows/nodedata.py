@@ -86,6 +86,8 @@ class NodeSummary(Record):
     skipped_steps: Count | None = None
     last_checkpoint: Text | None = None
     save_s: Annotated[list[Seconds], Field(max_length=100_000)] | None = None
+    phases: Annotated[dict[Text, Seconds], Field(max_length=64)] | None = None  # before the first step
+    phase_notes: Annotated[dict[Text, Text], Field(max_length=64)] | None = None  # ops: cache hit or compiled
     error: LongText | None = None
 
 
@@ -114,8 +116,8 @@ class NodeEvent(Record):
     """One line of events.jsonl (trainer/events.py)."""
 
     time: Epoch
-    kind: Literal["phase", "checkpoint"]
-    name: Text | None = None  # phase
+    kind: Literal["phase", "checkpoint", "outcome"]
+    name: Text | None = None  # phase, outcome
     detail: Text | None = None
     expect_s: Seconds | None = None
     tag: Text | None = None  # checkpoint

@@ -64,6 +64,7 @@ class Phase:
     started: float
     expect_s: float | None = None
     ended: float | None = None
+    outcome: str = ""  # how it went, once known (ops: cache hit or compiled)
 
 
 @dataclass
@@ -126,6 +127,8 @@ class WatchState:
         for event in update.events:
             if event.get("kind") == "phase":
                 self._phase_began(event)
+            elif event.get("kind") == "outcome":
+                self._outcome(event)
             elif event.get("kind") == "checkpoint" and event.get("state") == "superseded":
                 self.superseded.append(str(event.get("tag")))  # an older tag: the newest event stays shown
             elif event.get("kind") == "checkpoint":
@@ -143,6 +146,14 @@ class WatchState:
         self.phases.append(
             Phase(str(event.get("name")), str(event.get("detail") or ""), when, float(expect) if expect else None)
         )
+        if isinstance(event.get("took_s"), (int, float)):  # `up`'s phases (flows/startup_phases.py): done
+            self.phases[-1].ended = when + float(event["took_s"])
+
+    def _outcome(self, event: dict[str, Any]) -> None:
+        for phase in reversed(self.phases):
+            if phase.name == event.get("name"):
+                phase.outcome = str(event.get("detail") or "")
+                return
 
     def end_phase(self, when: float) -> None:
         if self.phases and self.phases[-1].ended is None:
@@ -175,8 +186,12 @@ class Feed:
     events: Tail = field(init=False)
     warned: set[str] = field(default_factory=set)  # files whose skipped lines were reported (once each)
     queue: str | None = None  # the scheduler's last word (provider slurm), shown as a phase when it changes
+    setup: list[dict[str, Any]] = field(default_factory=list)  # `up`'s phases, shown with the first poll
 
     def __post_init__(self) -> None:
+        from provision.flows.startup_phases import setup_events
+
+        self.setup = setup_events(self.run, state.find_cluster(self.run.cluster))
         d = self.run.run_dir
         self.log, self.metrics, self.events = (
             Tail(f"{d}/job.log"),
@@ -194,6 +209,8 @@ class Feed:
             if bad and name not in self.warned:
                 self.warned.add(name)
                 notes.append(f"warning: {name} from the node has lines that are no valid record, skipped ({bad[0]})")
+        events = self.setup + events  # `up`'s phases come first, once
+        self.setup = []
         if status.queue and status.queue != self.queue and not QUIET_QUEUE.search(status.queue):
             events.insert(0, {"kind": "phase", "name": "slurm", "detail": status.queue, "time": time.time()})
         self.queue = status.queue or self.queue

@@ -115,6 +115,7 @@ class VastOffer(Answer):
     reliability: Number | None = None
     reliability2: Number | None = None
     machine_id: Id | None = None
+    inet_down: Number | None = None  # Mbit/s, Vast's measurement of the host
 
 
 class VastInstance(Answer):

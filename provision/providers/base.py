@@ -81,6 +81,7 @@ class Offer:
     reliability: float | None = None
     spot: bool = False  # interruptible (RunPod spot, Vast bid): price_per_hour is the bid
     host: str = ""  # the vendor's machine (Vast machine_id), to avoid a host that lost a node
+    download_mbps: float | None = None  # the host's measured download (Vast inet_down), for `up`'s estimate
 
 
 class OfferSource(Protocol):

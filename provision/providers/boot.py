@@ -43,7 +43,8 @@ def wait_ready(
 
     kind = backend.kind
     assert node.instance_id is not None  # up() records every node's instance id before it waits
-    seen = None
+    seen: tuple[str, str] | None = None
+    started = time.monotonic()  # the image pull phase: until an SSH login works (node.boot_s)
     while True:
         interrupt.check()  # a Ctrl-C that a finalizer swallowed (see core/interrupt.py)
         inst = backend.describe(cluster, node.instance_id)
@@ -55,9 +56,9 @@ def wait_ready(
             )
         if inst.ready and inst.address:
             break
-        if inst.state != seen:
-            say(f"{kind} instance {node.instance_id}: {inst.state}")
-            seen = inst.state
+        if (inst.state, inst.detail) != seen:  # Vast's status_msg tells the image pull's progress
+            say(f"{kind} instance {node.instance_id}: {inst.state}" + (f" ({inst.detail})" if inst.detail else ""))
+            seen = (inst.state, inst.detail)
         if time.monotonic() > deadline:
             raise ProviderError(
                 f"{kind} instance {node.instance_id} still {inst.state!r} after {prov.ready_timeout:.0f}s",
@@ -81,6 +82,8 @@ def wait_ready(
                     raise
                 say(f"waiting for SSH login: {exc.message}")
                 time.sleep(poll_s)
+        node.boot_s = round(time.monotonic() - started, 1)
+        say(f"{node.host}: image pulled and booted in {node.boot_s:.0f}s")
         probe(kind, prov, node, ssh, home, say)
         if cluster.runtime == "bootstrap":  # the node side over the vendor's PyTorch image
             from provision.providers.bootstrap import install

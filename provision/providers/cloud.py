@@ -30,6 +30,7 @@ from provision.core.config import GpuctlConfig, check_batch
 from provision.core.errors import GpuctlError, NoOfferError, ProviderError
 from provision.core.provider_config import CloudProvider
 from provision.core.state import ClusterRecord, NodeRecord
+from provision.estimate.startup import Term, estimate_line
 from provision.providers.abort import UpAbort
 from provision.providers.base import (
     IMAGE_PYTHON,
@@ -161,6 +162,9 @@ class CloudBackend(ProviderBackend):
             else "no budget cap (set provider.max_hours or max_cost)"
         )
         opts.say(f"total ${price:.3f}/h; {cap_text}")
+        mode = resolve_runtime(prov.runtime, self.kind, image=prov.image)  # vast/runpod: image|bootstrap; aws: docker
+        image = boot_image(prov, self.kind) if mode == "bootstrap" else prov.image
+        startup = self.startup(cfg, mode, image, picks, opts.say)
         from provision.estimate.forecast import warn_cap
 
         # before it asks, so a cap the run cannot fit in is said before anything is paid
@@ -179,13 +183,12 @@ class CloudBackend(ProviderBackend):
         if not opts.confirm(f"create {len(picks)} {self.kind} node(s) at ${price:.3f}/h?"):
             raise GpuctlError("not confirmed: nothing was created", "rerun `gpuctl up` and answer y, or pass --yes")
         _private, public_key = mesh.cluster_keypair(cfg.cluster_name)
-        mode = resolve_runtime(prov.runtime, self.kind, image=prov.image)  # vast/runpod: image|bootstrap; aws: docker
         record = ClusterRecord(
             name=cfg.cluster_name,
             provider=self.kind,
             nodes=[],
             price_per_hour=price,
-            image=boot_image(prov, self.kind) if mode == "bootstrap" else prov.image,
+            image=image,
             runtime=mode,
             api_url=prov.api_url,
             python=IMAGE_PYTHON if mode == "docker" else prov.python,
@@ -194,6 +197,8 @@ class CloudBackend(ProviderBackend):
             region=getattr(prov, "region", None),
             spent_hours=opts.spent_hours,
             spent_cost=opts.spent_cost,
+            startup_estimate={t.name: round(t.seconds, 1) for t in startup} if startup else None,
+            startup_line=estimate_line(startup) if startup else None,
         )
         # Import the SSH stack before anything is rented: on a loaded machine paramiko takes
         # seconds to import, and a Ctrl-C during an import can be swallowed (importlib's
@@ -215,6 +220,20 @@ class CloudBackend(ProviderBackend):
                 self._abort(record, created, labels, opts.say, exc)
                 raise
         return record
+
+    def startup(
+        self, cfg: GpuctlConfig, mode: str, image: str | None, picks: list[Offer], say: Callable[[str], None]
+    ) -> list[Term]:
+        """The first-step estimate (estimate/startup.py), said before anything is rented: the slowest
+        node's download decides (every node pulls and installs at once). AWS (docker runtime) has none."""
+        if mode not in ("bootstrap", "image"):
+            return []
+        from provision.providers.startup_input import startup_terms
+
+        speeds = [o.download_mbps for o in picks if o.download_mbps]
+        terms = startup_terms(cfg, mode, image, min(speeds) if speeds else None)
+        say(estimate_line(terms))
+        return terms
 
     def _billed(self, prov: CloudProvider, record: ClusterRecord, say: Callable[[str], None]) -> None:
         """The price the vendor bills the booted nodes (their describe answer, where it says one)

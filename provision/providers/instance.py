@@ -24,3 +24,4 @@ class Instance:
     private_address: str | None = None  # where the other nodes reach it (AWS: inside the VPC)
     host: str = ""  # the vendor's machine behind it, where its API names one (runpod: machineId)
     price_per_hour: float | None = None  # what the vendor bills it, where its API says (runpod: costPerHr)
+    detail: str = ""  # the vendor's progress words while booting (Vast's status_msg: the image pull)

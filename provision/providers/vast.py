@@ -154,6 +154,7 @@ def _offer(raw: object, prov: VastProvider) -> Offer:
         reliability=o.reliability if o.reliability is not None else o.reliability2,
         spot=prov.interruptible,
         host=str(o.machine_id or ""),
+        download_mbps=o.inet_down if o.inet_down and o.inet_down > 0 else None,
     )
 
 
@@ -186,6 +187,7 @@ def _instance(raw: object) -> Instance:
         user="root",
         label=inst.label or "",
         price_per_hour=price_of(inst.dph_total),
+        detail="" if failed else " ".join((inst.status_msg or "").split())[:200],
     )
 
 

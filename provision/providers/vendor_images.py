@@ -21,6 +21,18 @@ from provision.providers.base import BOOT_HOOK
 
 TORCH_IMAGE = "pytorch/pytorch:2.10.0-cuda12.8-cudnn9-devel"
 BOOTSTRAP_IMAGES = {"vast": TORCH_IMAGE, "runpod": TORCH_IMAGE}
+# Compressed size (GB, the bytes a pull downloads) of each pinned image, with its source: `up`'s
+# first-step estimate (provision/estimate/startup.py) counts the pull from it. Moving a tag above means
+# moving its figure here (tests/test_startup_estimate.py checks every pinned image has one).
+IMAGE_SIZES: dict[str, tuple[float, str]] = {
+    TORCH_IMAGE: (
+        10.0,
+        "assumed, not read for this tag: Docker Hub lists 9-11 GB compressed for the earlier "
+        "pytorch/pytorch *-cuda12.x-cudnn9-devel tags (CUDA devel toolkit + cuDNN + torch in conda); "
+        "Docker Hub was not reachable from where this was written. Check: sum the layer sizes of "
+        "`docker manifest inspect -v` for the tag",
+    ),
+}
 
 # RunPod's container start command for an image without sshd: the image's environment into
 # /etc/environment (SSH sessions see /opt/conda/bin first, as Vast's ONSTART does), then sshd on

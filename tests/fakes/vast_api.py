@@ -14,7 +14,8 @@
 - POST /api/v0/instances/{id}/ssh/ {"ssh_key": line} -> {"success": true}
 - GET /api/v1/instances/?select_filters&order_by&limit[&after_token] -> {"instances": [...],
   "next_token": ...} paged; GET /api/v0/instances/{id}/[?owner=me] -> {"instances": {...}}:
-  actual_status goes null -> "loading" -> "running" over `boot_polls` reads, then ports
+  actual_status goes null -> "loading" (status_msg: the pull's progress, PULL_MSG) -> "running"
+  over `boot_polls` reads, then ports
   {"22/tcp": [{"HostIp", "HostPort"}]} on public_ipaddr point at the test sshd; extra_env is a
   list of [name, value] pairs (the client turns it into a dict).
 - DELETE /api/v0/instances/{id}/ -> {"success": true}; unknown -> 404; an id in `refuse_delete`
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 
 from tests.fakes.base import ApiError, FakeApi
 
+PULL_MSG = "Pulling image: 3 of 12 layers"  # what a loading instance's status_msg says (the image pull)
 CONTROL = {"order", "limit", "type", "allocated_storage", "disable_bundling"}
 OPS = {
     "eq": lambda a, b: a == b,
@@ -322,6 +324,8 @@ class FakeVast(FakeApi):
             if inst["_stuck"]
             else "preempted: outbid"
             if inst.get("_preempted")
+            else PULL_MSG
+            if status == "loading"
             else None,
             "label": inst["label"],
             "image_uuid": inst["image_uuid"],
