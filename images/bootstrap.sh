@@ -25,6 +25,7 @@ if [ -n "$have" ]; then
     fail "the image's torch $1 (CUDA $2) is not the pinned torch $want${want_cuda:+ (CUDA $want_cuda)} of images/requirements-torch-$flavour.txt; set provider.image to an image with that torch, or move the pin"
   fi
   echo "gpuctl-bootstrap: the image's torch $1 (CUDA $2) is the pinned one"
+  index=""  # torch's own index serves only torch: the rest comes from PyPI, no lookups where it is unreachable
 else
   echo "gpuctl-bootstrap: the image has no torch: installing torch $want from the package index"
 fi

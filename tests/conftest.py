@@ -25,6 +25,7 @@ pytest_plugins = [
     "tests.s3server",
     "tests.dockerd",
     "tests.trainer_image",
+    "tests.stock_image",
     "tests.slurm",
 ]
 
@@ -92,7 +93,12 @@ def gpuctl(project) -> Gpuctl:
 # on its persistent data root: a second worker would wait for the first's whole session) and the
 # Slurm cluster (one slurmctld per session), which joins the tests that start real ranks on this host
 # (`slow`): two DeepSpeed runs at once on 2 cores have failed to start. Everything else spreads over the workers.
-ONE_WORKER_FIXTURES = {"image_engine": "image-engine", "trainer_image": "image-engine", "slurm_cluster": "ranks"}
+ONE_WORKER_FIXTURES = {
+    "image_engine": "image-engine",
+    "trainer_image": "image-engine",
+    "stock_image": "image-engine",
+    "slurm_cluster": "ranks",
+}
 
 
 # tryfirst: xdist reads the groups in its own collection_modifyitems on the worker, so they must be on by then.
