@@ -162,7 +162,9 @@ class Node:
         except (ValueError, IndexError):
             raise RemoteError(f"{self.label}: could not start {script} (got {out!r})") from None
 
-    def ship_and_start(self, local: Path, remote: str, script: str, log: str, starting: ExitStack, restarts: int = 0) -> int:
+    def ship_and_start(
+        self, local: Path, remote: str, script: str, log: str, starting: ExitStack, restarts: int = 0
+    ) -> int:
         """put_dir(local, remote), then start_detached(remote, script, log, restarts); its pgid. A Ctrl-C while
         shipping stops it; once the start is under way it waits (interrupt.deferred, entered into
         `starting`) until the caller has recorded the run. A transport that can do both in one

@@ -264,7 +264,9 @@ class SSHNode(Node):
         except RemoteError:
             pass
 
-    def ship_and_start(self, local: Path, remote: str, script: str, log: str, starting: ExitStack, restarts: int = 0) -> int:
+    def ship_and_start(
+        self, local: Path, remote: str, script: str, log: str, starting: ExitStack, restarts: int = 0
+    ) -> int:
         """put_dir + start_detached in one exec channel (transport/ssh/ship.py); over SFTP on a node
         without tar; nothing restarts a run here (restarts: a batch scheduler's). A Ctrl-C while the tar goes out cuts it (the node's tar fails: nothing starts);
         from its last byte on, the start is deferred as the base method's is."""
