@@ -30,6 +30,15 @@ class StorageCredentials:
     def __repr__(self) -> str:  # never show the values, e.g. in a traceback's locals
         return f"StorageCredentials(names={sorted(self.env)}, method={self.method!r}, expires={self.expires})"
 
+    def expiry_warning(self) -> str | None:
+        """What to tell the user before a run with temporary credentials: the node cannot refresh them."""
+        if not self.expires:
+            return None
+        return (
+            f"warning: the storage credentials ({self.method or 'session'}) are temporary; the node "
+            "cannot refresh them, so uploads fail once they expire (use long-lived keys for long runs)"
+        )
+
 
 def storage_credentials(storage: StorageConfig, data: str | None = None) -> StorageCredentials:
     """The AWS_* env a node needs to reach storage.url or s3:// training data; else empty."""

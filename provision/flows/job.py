@@ -42,17 +42,13 @@ def run_dir_of(workdir: str, run_id: str) -> str:
     return f"{workdir.rstrip('/')}/runs/{run_id}"
 
 
-def budget_left_s(cluster: state.ClusterRecord) -> int:
-    """Seconds until the cluster's budget cap (max_hours, max_cost at its price) is spent."""
-    hours = cluster.budget_hours
-    assert hours is not None  # callers ask only for a cluster that has a cap
-    left = cluster.created_at + hours * 3600 - time.time()
-    if left < 1:
+def check_budget_left(cluster: state.ClusterRecord, hours: float) -> None:
+    """That the cluster's budget cap (max_hours, max_cost at its price: `hours`) is not spent yet."""
+    if cluster.created_at + hours * 3600 - time.time() < 1:
         raise GpuctlError(
             f"cluster {cluster.name} has spent its budget cap ({hours:.2f} h)",
             "`gpuctl down`, or raise provider.max_hours / max_cost and `gpuctl up` again",
         )
-    return int(left)
 
 
 def bundle_spec(
@@ -91,7 +87,7 @@ def bundle_spec(
     spec.secrets.update((storage_credentials(cfg.storage, cfg.train.data) if credentials is None else credentials).env)
     spec.secrets.update(secrets_env or {})  # the user's tokens: the same 0600 secrets.env, nowhere else
     if cluster.budget_hours:  # the cap itself is the node's budget guard, started by `up` (flows/guard.py)
-        budget_left_s(cluster)
+        check_budget_left(cluster, cluster.budget_hours)
     teardown = backend(cluster.provider).self_teardown(cluster) if cfg.teardown == "after-train" else None
     if teardown:
         spec.secrets.update(teardown.env)
@@ -130,11 +126,8 @@ def start_run(
     check_resume(cfg, cluster, resume, say)
     run_id = run_id or new_run_id()
     credentials = storage_credentials(cfg.storage, cfg.train.data)
-    if credentials.expires:
-        say(
-            f"warning: the storage credentials ({credentials.method or 'session'}) are temporary; the node "
-            "cannot refresh them, so uploads fail once they expire (use long-lived keys for long runs)"
-        )
+    if warning := credentials.expiry_warning():
+        say(warning)
     spec = bundle_spec(cfg, cluster, run_id, resume, credentials=credentials, secrets_env=user_secrets(cfg.secrets))
     bundle = state.state_dir() / "runs" / run_id
     nodes: list[Node] = []
@@ -214,8 +207,7 @@ class RunStatus:
 
 
 def node_of(run: state.RunRecord) -> Node:
-    cluster = state.load_cluster(run.cluster)
-    return backend(cluster.provider).nodes(cluster)[0]
+    return backend((cluster := state.load_cluster(run.cluster)).provider).nodes(cluster)[0]
 
 
 def read_status(run: state.RunRecord, node: Node) -> RunStatus:
@@ -233,10 +225,10 @@ def read_status(run: state.RunRecord, node: Node) -> RunStatus:
             recorded = state.load_run(run.run_id).state
             run_state = recorded if recorded in TERMINAL else "lost"  # else: killed without writing its end
     if run_state in TERMINAL and run.state == "running" and run.pgid:
-        if not node.job_over(run.pgid):  # Slurm requeued it: launch.sh starts again
-            run_state = "running"
-        else:
+        if node.job_over(run.pgid):
             node.drop_run_secrets(run.run_dir)
+        else:  # Slurm requeued it: launch.sh starts again
+            run_state = "running"
     # The scheduler's word (provider slurm) while the run is open: queued, or how the job ended (TIMEOUT, NODE_FAIL)
     queue = node.queue_state(run.pgid) if run.pgid and run.state == "running" else None
     last = tail[0] if tail else {}
