@@ -91,13 +91,29 @@ def gpuctl(project) -> Gpuctl:
 # Under pytest-xdist (tests/run.sh runs `-n N --dist loadgroup`), tests that share one engine that
 # a session may hold only once go to one worker, in one group each: the image engine (a file lock
 # on its persistent data root: a second worker would wait for the first's whole session) and the
-# Slurm cluster (one slurmctld per session), which joins the tests that start real ranks on this host
-# (`slow`): two DeepSpeed runs at once on 2 cores have failed to start. Everything else spreads over the workers.
+# Slurm cluster (one slurmctld per session), which joins the first of the two lines of tests that start
+# real ranks on this host (`slow`, RANKS_B below). Everything else spreads over the workers.
 ONE_WORKER_FIXTURES = {
     "image_engine": "image-engine",
     "trainer_image": "image-engine",
     "stock_image": "image-engine",
     "slurm_cluster": "ranks",
+}
+
+
+# The modules whose slow tests form the second line of real-rank runs: about half the group's time
+# (serial seconds in one full run: fsdp_e2e 267, trainer_end_of_run 215, storage_e2e 133, hardening_ckpt_load
+# 117, first_cloud_run 110, ... of ~2,700). A module stays whole: its module-scoped runs and servers are shared.
+RANKS_B = {
+    "test_fsdp_e2e",
+    "test_trainer_end_of_run",
+    "test_cloud_runpod",
+    "test_recovery_multinode",
+    "test_cloud_aws",
+    "test_trainer_parity",
+    "test_hardening_ckpt_load",
+    "test_first_cloud_run",
+    "test_storage_e2e",
 }
 
 
@@ -109,9 +125,10 @@ def pytest_collection_modifyitems(config, items):
             if fixture in item.fixturenames:
                 item.add_marker(pytest.mark.xdist_group(group))
                 break
-        else:  # real ranks on this host (Slurm's too): one run at a time, two at once have failed to start
+        else:  # real ranks on this host: two serial lines (Slurm's with the first), each run alone uses ~1.2-1.5 cores
             if item.get_closest_marker("slow") and not item.get_closest_marker("xdist_group"):
-                item.add_marker(pytest.mark.xdist_group("ranks"))
+                second = item.module.__name__.rsplit(".", 1)[-1] in RANKS_B
+                item.add_marker(pytest.mark.xdist_group("ranks-b" if second else "ranks"))
     # The long ones first (the engines' groups, then the runs with real ranks): a worker that draws
     # one at the end is the tail of the whole run. Stable: a file's tests keep their order.
     items.sort(key=_start_order)

@@ -66,10 +66,12 @@ phase "ruff + mypy"
 set +e
 # --durations: the 25 slowest tests, at every run (the trainer image build is inside the first
 # test that asks for it: see its setup time there).
-# Workers: most tests wait (on a fake vendor's cap, an sshd, a container) rather than compute,
-# so one more worker than cores overlaps the waits; GPUCTL_TEST_WORKERS=0 runs in one process.
-# --dist loadgroup keeps the tests of a one-per-session engine on one worker (tests/conftest.py).
-WORKERS="${GPUCTL_TEST_WORKERS:-$(( $(nproc) + 1 ))}"
+# Workers: --dist loadgroup keeps three serial lines on a worker each (the image engine's tests and
+# two lines of real-rank runs, tests/conftest.py); the rest mostly wait (on a fake vendor's cap, an
+# sshd, a container) rather than compute. So: at least 4, else cores + 2; GPUCTL_TEST_WORKERS=0 runs
+# in one process.
+CORES=$(nproc)
+WORKERS="${GPUCTL_TEST_WORKERS:-$(( CORES + 2 > 4 ? CORES + 2 : 4 ))}"
 XDIST=(-n "$WORKERS" --dist loadgroup)
 [ "$WORKERS" = 0 ] && XDIST=()
 "$PY" -m pytest -q -p no:cacheprovider --durations=25 "${XDIST[@]}" "$@"

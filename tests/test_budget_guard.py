@@ -98,10 +98,22 @@ def test_a_guard_started_again_stops_the_first_and_swaps_its_script_whole(tmp_pa
         wait_until(lambda: not running(first), 15, "the first guard to stop")
         assert script.stat().st_ino != before  # a new file renamed over the old one
         assert not list(script.parent.glob("*.new"))
-        guards = [p for p in Path("/proc").glob("[0-9]*") if str(workdir) in _cwd(p) and running(int(p.name))]
-        assert [int(p.name) for p in guards if b"guard.sh" in (p / "cmdline").read_bytes()] == [second]
+        assert top_level_guards(workdir) == [second]
     finally:
         kill_guards(tmp_path)
+
+
+def top_level_guards(workdir: Path) -> list[int]:
+    """The guard.sh processes in `workdir`, less the subshells bash forks for a moment (a `$(...)` or a
+    pipe: same command line, its parent a guard)."""
+    guards = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if str(workdir) in _cwd(proc) and b"guard.sh" in (proc / "cmdline").read_bytes():
+                guards[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):  # gone meanwhile
+            continue
+    return sorted(pid for pid, parent in guards.items() if parent not in guards and running(pid))
 
 
 def _cwd(proc: Path) -> str:

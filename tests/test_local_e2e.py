@@ -6,6 +6,7 @@ Three CPU ranks under DeepSpeed ZeRO-2 with the optimizer offloaded to CPU, over
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -36,12 +37,14 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
-def shm_buffers() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")}
+def shm_buffers(run_dir: str) -> set[str]:
+    """This run's DeepSpeed CPU allreduce buffers (named by its master port; other tests' runs may be going)."""
+    port = re.search(r"master port (\d+)", Path(run_dir, "job.log").read_text())
+    assert port, "job.log names no master port"
+    return {p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port[1]}_*")}
 
 
 def test_up_train_status_down(project, gpuctl, state_dir):
-    shm_before = shm_buffers()
     write_config(project, gpuctl, max_steps=12, checkpoint_every=6)
     up = gpuctl("up")
     assert up.returncode == 0, up.stderr
@@ -59,7 +62,7 @@ def test_up_train_status_down(project, gpuctl, state_dir):
     assert run["state"] == "succeeded" and run["exit_code"] == 0
     assert run["steps"] == 12 and run["world_size"] == 3 and run["train_batch_size"] == 12
     assert run["tokens_per_s"] > 0
-    assert shm_buffers() <= shm_before  # DeepSpeed's CPU allreduce buffers (69 MB a rank) are gone
+    assert shm_buffers(run["run_dir"]) == set()  # DeepSpeed's CPU allreduce buffers (69 MB a rank) are gone
     metrics = [json.loads(line) for line in Path(run["run_dir"], "metrics.jsonl").read_text().splitlines()]
     # the trainer times the parts plan models: forward + backward, the optimizer step, and each save
     assert all(m["fwd_bwd_s"] > 0 and m["optimizer_s"] > 0 for m in metrics)
@@ -97,7 +100,6 @@ def test_up_train_status_down(project, gpuctl, state_dir):
 
 
 def test_down_stops_a_running_run(project, gpuctl, state_dir):
-    shm_before = shm_buffers()
     write_config(project, gpuctl, max_steps=400, checkpoint_every=0)
     assert gpuctl("up").returncode == 0
     started = gpuctl("train", "--detach")
@@ -109,7 +111,7 @@ def test_down_stops_a_running_run(project, gpuctl, state_dir):
     down = gpuctl("down")
     assert down.returncode == 0, down.stderr
     assert group_members(record["pgid"]) == []
-    assert shm_buffers() <= shm_before  # killed ranks leave no /dev/shm buffer either
+    assert shm_buffers(record["run_dir"]) == set()  # killed ranks leave no /dev/shm buffer either
     status = json.loads(Path(record["run_dir"], "status.json").read_text())
     assert status["state"] == "cancelled"
     assert not list(state_dir.glob("clusters/*.json"))

@@ -107,14 +107,16 @@ def _signal(pids: list[int], sig: int) -> None:
             pass
 
 
-def _node1_processes() -> list[int]:
-    """DeepSpeed's launch on node 1 (pdsh gave it --node_rank=1) and everything under it."""
+def _node1_processes(workdir: Path) -> list[int]:
+    """DeepSpeed's launch on node 1 (pdsh gave it --node_rank=1) in this test's node workdir (another
+    test's two-node run may be going) and everything under it."""
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
             argv = cmdline.read_bytes().split(b"\0")
+            ours = os.readlink(cmdline.parent / "cwd").startswith(str(workdir))
         except OSError:
             continue
-        if b"--node_rank=1" in argv and b"deepspeed.launcher.launch" in argv:
+        if ours and b"--node_rank=1" in argv and b"deepspeed.launcher.launch" in argv:
             pid = int(cmdline.parent.name)
             return [pid, *children_of(pid)]
     raise AssertionError("no DeepSpeed launch with --node_rank=1")
@@ -134,7 +136,7 @@ def test_e2e_a_lost_second_node_is_replaced_and_the_run_resumes(project, gpuctl,
             run_dir, project / "gpuctl-storage", lambda sig: _signal(_run_processes(run_dir), sig)
         )
         fake.preempt(7000002)  # the vendor says exited; what ran there ends with the machine
-        _signal(_node1_processes(), signal.SIGKILL)
+        _signal(_node1_processes(tmp_path / "node"), signal.SIGKILL)
         # node 0's processes stay stopped, as ranks hung in a collective with a lost peer would: the
         # follow reads its files, the vendor names node 1, recovery kills them (SIGKILL ends stopped ones)
         out, err = proc.communicate(timeout=600)

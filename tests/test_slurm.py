@@ -8,10 +8,14 @@ Slurm is the engine: `up` checks the login node and holds nothing, `train` submi
 from __future__ import annotations
 
 import json
+import os
 import secrets
+import signal
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,6 +28,7 @@ from provision.providers.slurm import SlurmNode, gres_gpus, job_options, site_gp
 from provision.transport.remote import CommandResult, Node
 from tests import test_trainer_helpers as h
 from tests.fakes.harness import wait_until
+from tests.fakes.preempt import steps
 from tests.helpers import Gpuctl
 from tests.slurm import GPUS
 
@@ -291,6 +296,44 @@ def stored_tags(s3_server, bucket: str, prefix: str) -> set[str]:
     return {obj["Key"][len(prefix) :].split("/")[0] for obj in listed if obj["Key"].endswith("manifest.json")}
 
 
+def metrics_files(shared: Path) -> set[Path]:
+    """The run dirs under the Slurm workdir that have begun their metrics."""
+    return {log.parent for log in shared.rglob("job.log") if (log.parent / "metrics.jsonl").is_file()}
+
+
+def stop_mid_run(run_dir: Path, stored: Callable[[], object], max_steps: int, timeout: float = 240) -> int:
+    """SIGSTOP the run's processes once the bucket holds a checkpoint and the run has steps left to go (on
+    the tiny model a run outpaces its uploads: requeued later, it would have nothing left to resume);
+    returns the last step it logged. A requeue then kills the stopped processes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        last = max(steps(run_dir / "metrics.jsonl"), default=0)
+        assert last < max_steps, f"the run finished before a checkpoint reached the bucket ({stored()})"
+        if not stored():
+            time.sleep(0.05)
+            continue
+        signal_run(run_dir, signal.SIGSTOP)
+        last = max(steps(run_dir / "metrics.jsonl"), default=0)
+        if last < max_steps and not (run_dir / "checkpoints" / f"step{max_steps}").exists():
+            return last
+        signal_run(run_dir, signal.SIGCONT)
+    raise AssertionError(f"no checkpoint in the bucket within {timeout:.0f} s")
+
+
+def signal_run(run_dir: Path, sig: int) -> None:
+    """The Python processes (launcher, ranks) whose working dir is the run dir or whose command line names
+    it; never slurmstepd or the batch shell, which must answer the requeue."""
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if not Path(os.readlink(proc / "exe")).name.startswith("python"):
+                continue
+            named = str(run_dir).encode() in (proc / "cmdline").read_bytes()
+            if named or os.readlink(proc / "cwd").startswith(str(run_dir)):
+                os.kill(int(proc.name), sig)
+        except (OSError, ValueError):  # gone meanwhile, or not ours
+            continue
+
+
 @pytest.mark.slow
 def test_a_requeued_job_resumes_with_the_losses_of_an_uninterrupted_run(
     project, gpuctl: Gpuctl, slurm, tmp_path, s3_server, fresh_bucket
@@ -298,7 +341,7 @@ def test_a_requeued_job_resumes_with_the_losses_of_an_uninterrupted_run(
     """Slurm requeues the job (scontrol requeue: what a preemption or a node failure does) and runs the batch
     script again: the ranks resume from the newest complete checkpoint in S3, whose credentials reach the
     restart through the kept 0600 secrets file, gone once the run is over. The follow sees one run."""
-    shape = {"max_steps": 10, "checkpoint_every": 3, "micro_batch": 1, "grad_accum": 2}
+    shape = {"max_steps": 30, "checkpoint_every": 3, "micro_batch": 1, "grad_accum": 2}
     write_config(project, gpuctl, tmp_path / "shared", top={"storage": {"url": "ref-store"}}, **shape)
     assert gpuctl("up").returncode == 0
     assert gpuctl("train").returncode == 0
@@ -316,14 +359,18 @@ def test_a_requeued_job_resumes_with_the_losses_of_an_uninterrupted_run(
         text=True,
     )
     try:
-        wait_until(lambda: stored_tags(s3_server, fresh_bucket, "rq/"), 240, "a checkpoint in S3")
+        wait_until(lambda: metrics_files(tmp_path / "shared") - {Path(reference)}, 240, "the run to start")
+        (run_dir,) = metrics_files(tmp_path / "shared") - {Path(reference)}
+        stopped = stop_mid_run(run_dir, lambda: stored_tags(s3_server, fresh_bucket, "rq/"), shape["max_steps"])
         (job,) = [line.split()[0] for line in slurm.jobs()]
-        slurm.sh("scontrol", "requeue", job)
-        wait_until(lambda: "Restarts=1" in slurm.sh("scontrol", "show", "job", job).stdout, 60, "the requeue")
-        run_dir = Path(json.loads(gpuctl("status", "--json").stdout)["run"]["run_dir"])
+        slurm.sh("scontrol", "requeue", job)  # kills the stopped ranks and queues the job again
+        held = ("Restarts=1", "JobState=PENDING", "Reason=BeginTime")  # an earlier update is overwritten
+        wait_until(lambda: all(w in slurm.sh("scontrol", "show", "job", job).stdout for w in held), 60, "the requeue")
+        assert Path(json.loads(gpuctl("status", "--json").stdout)["run"]["run_dir"]) == run_dir
         kept = run_dir / "secrets.keep"
         assert kept.is_file() and kept.stat().st_mode & 0o777 == 0o600  # for the restart, owner-only
         slurm.sh("scontrol", "update", f"JobId={job}", "StartTime=now")  # Slurm holds a requeued job ~2 min
+        wait_until(lambda: "Reason=BeginTime" not in slurm.sh("scontrol", "show", "job", job).stdout, 30, "the hold")
         out, _ = follow.communicate(timeout=300)
     finally:
         if follow.poll() is None:
@@ -333,10 +380,10 @@ def test_a_requeued_job_resumes_with_the_losses_of_an_uninterrupted_run(
     log = (run_dir / "job.log").read_text()
     assert "requeued the job (restart 1 of 1)" in log and "resumed from" in log, log[-3000:]
     resumed_at = int(log.split("resumed from", 1)[1].split("at step", 1)[1].split()[0])
-    assert 3 <= resumed_at < 10 and resumed_at % 3 == 0
+    assert 3 <= resumed_at <= stopped and resumed_at % 3 == 0, (resumed_at, stopped)
     assert json.loads(gpuctl("status", "--json").stdout)["run"]["state"] == "succeeded"
     after = h.losses(run_dir)  # a step trained again after the resume: its last line
-    assert sorted(after) == list(range(1, 11))
+    assert sorted(after) == list(range(1, 31))
     for step, loss in after.items():
         assert loss == pytest.approx(uninterrupted[step], abs=1e-6), (step, after, uninterrupted)
     assert not list(run_dir.glob("secrets.*"))  # the run is over: no copy of its secrets is left
