@@ -296,8 +296,8 @@ def stored_tags(s3_server, bucket: str, prefix: str) -> set[str]:
     return {obj["Key"][len(prefix) :].split("/")[0] for obj in listed if obj["Key"].endswith("manifest.json")}
 
 
-def metrics_files(shared: Path) -> set[Path]:
-    """The run dirs under the Slurm workdir that have begun their metrics."""
+def started_run_dirs(shared: Path) -> set[Path]:
+    """The run dirs under the Slurm workdir whose ranks have logged a step (job.log beside metrics.jsonl)."""
     return {log.parent for log in shared.rglob("job.log") if (log.parent / "metrics.jsonl").is_file()}
 
 
@@ -359,8 +359,8 @@ def test_a_requeued_job_resumes_with_the_losses_of_an_uninterrupted_run(
         text=True,
     )
     try:
-        wait_until(lambda: metrics_files(tmp_path / "shared") - {Path(reference)}, 240, "the run to start")
-        (run_dir,) = metrics_files(tmp_path / "shared") - {Path(reference)}
+        wait_until(lambda: started_run_dirs(tmp_path / "shared") - {Path(reference)}, 240, "the run to start")
+        (run_dir,) = started_run_dirs(tmp_path / "shared") - {Path(reference)}
         stopped = stop_mid_run(run_dir, lambda: stored_tags(s3_server, fresh_bucket, "rq/"), shape["max_steps"])
         (job,) = [line.split()[0] for line in slurm.jobs()]
         slurm.sh("scontrol", "requeue", job)  # kills the stopped ranks and queues the job again
