@@ -183,6 +183,19 @@ def test_removing_the_cluster_key_on_a_full_disk_keeps_the_users_keys(tmp_path, 
     assert keys.read_text() == f"{user_key}\n"
 
 
+def test_clusters_editing_one_authorized_keys_at_once_keep_every_line(tmp_path):
+    """Eight setups on one host at once (eight clusters, or a setup beside a teardown): each line
+    stays, none is lost to another's rename, and a refused edit says why."""
+    keys = tmp_path / "authorized_keys"
+    keys.write_text("ssh-ed25519 AAAAuser user\n")
+    lines = [f"ssh-ed25519 AAAAmesh{i} gpuctl-mesh-c{i}" for i in range(8)]
+    edits = [subprocess.Popen(["bash", "-c", mesh.EDIT_KEY, "x", str(keys), x, x], stderr=subprocess.PIPE) for x in lines]
+    assert [e.wait(timeout=60) for e in edits] == [0] * 8
+    assert sorted(keys.read_text().splitlines()) == sorted(["ssh-ed25519 AAAAuser user", *lines])
+    bad = subprocess.run(["bash", "-c", mesh.EDIT_KEY, "x", str(keys), "no-key", "x"], capture_output=True, text=True)
+    assert bad.returncode == 1 and bad.stderr.strip() == f"authorized_keys {keys}: no key in the line to edit"
+
+
 # --- 10: host keys ------------------------------------------------------------------------------
 
 

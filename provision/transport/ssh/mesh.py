@@ -35,22 +35,34 @@ MARK = "gpuctl-mesh-"
 # user's file first (`grep > tmp; cat tmp > file` empties it when the temp write fails on a full
 # disk, and locks the user out of their own host). $1 the file ("~/" = $HOME/), $2 our public key
 # line, $3 the line to have in its place ("": none). Every line holding our key's blob goes, the
-# rest stays as it was; a symlinked file is edited where it points. Idempotent.
+# rest stays as it was; a symlinked file is edited where it points. Idempotent. One edit at a time
+# (two clusters' setups or teardowns on one host would lose each other's line): a lock on the
+# folder where flock exists; a change by anyone else between the copy and the rename shows in the
+# count check, and the edit starts over. Every failure says why on stderr.
 EDIT_KEY = r"""f="$1"; case "$f" in "~/"*) f="$HOME/${f#\~/}";; esac
 [ -L "$f" ] && { f=$(readlink -f -- "$f") || exit 1; }
-blob=$(printf '%s\n' "$2" | awk '{print $2}'); [ -n "$blob" ] || exit 1
+fail() { printf 'authorized_keys %s: %s\n' "$f" "$1" >&2; exit 1; }
+blob=$(printf '%s\n' "$2" | awk '{print $2}'); [ -n "$blob" ] || fail "no key in the line to edit"
 if [ ! -e "$f" ]; then
   [ -n "$3" ] || exit 0
-  mkdir -p -- "$(dirname -- "$f")" && ( umask 077; : > "$f" ) || exit 1
+  mkdir -p -- "$(dirname -- "$f")" && ( umask 077; : > "$f" ) || fail "cannot create it"
 fi
-tmp=$(mktemp -- "$f.gpuctl.XXXXXX") || exit 1
+if command -v flock >/dev/null && exec 9<"$(dirname -- "$f")"; then
+  flock -w 60 9 || fail "another edit held its folder for 60 s"
+fi
+tmp=$(mktemp -- "$f.gpuctl.XXXXXX") || fail "cannot write a copy beside it"
 trap 'rm -f -- "$tmp"' EXIT
-grep -vF -- "$blob" "$f" > "$tmp"; [ $? -le 1 ] || exit 1   # 2 or a signal: a read or write failed
-[ -z "$3" ] || printf '%s\n' "$3" >> "$tmp" || exit 1
-keep=$(grep -cvF -- "$blob" "$f"); [ -z "$3" ] || keep=$((keep + 1))
-[ "$(grep -c '' "$tmp")" = "$keep" ] || exit 1                # the copy holds every line it should
-[ -z "$3" ] || [ "$(tail -n 1 -- "$tmp")" = "$3" ] || exit 1
-chmod go-rwx -- "$tmp" && mv -f -- "$tmp" "$f"
+for try in 1 2 3 4 5; do
+  grep -vF -- "$blob" "$f" > "$tmp"; [ $? -le 1 ] || fail "reading it or writing the copy failed"  # 2 or a signal
+  [ -z "$3" ] || printf '%s\n' "$3" >> "$tmp" || fail "writing the copy failed"
+  keep=$(grep -cvF -- "$blob" "$f"); [ -z "$3" ] || keep=$((keep + 1))
+  if [ "$(grep -c '' "$tmp")" = "$keep" ] && { [ -z "$3" ] || [ "$(tail -n 1 -- "$tmp")" = "$3" ]; }; then
+    chmod go-rwx -- "$tmp" && mv -f -- "$tmp" "$f" && exit 0
+    fail "cannot rename the copy over it"
+  fi
+  sleep "$try"  # the copy is short of a line: the file changed under us, or a write fell short
+done
+fail "the copy never held every line (the file kept changing, or the disk is full)"
 """
 # On the first node: the address each node sees it connect from (for the key's from= option).
 SOURCE_ADDRESS = 'printf "%s" "${SSH_CONNECTION%% *}"'
