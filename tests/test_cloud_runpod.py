@@ -17,7 +17,6 @@ from tests.fakes.harness import (
     assert_secret_absent,
     node_fields,
     serve_runpod,
-    wait_until,
     write_config,
 )
 
@@ -152,27 +151,6 @@ def test_node_teardown_sends_pod_terminate(project, fake, tmp_path):
     assert not fake.pods
     again = subprocess.run(teardown.argv, env={**os.environ, **teardown.env}, capture_output=True, timeout=60)
     assert again.returncode == 0  # "Pod not found": already gone is done
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_e2e_up_train_self_teardown_down(project, gpuctl, fake, tmp_path, state_dir):
-    write_config(
-        project, provider(fake, tmp_path, **node_fields(tmp_path, ranks=2)), name="rp-e2e", teardown="after-train"
-    )
-    outputs = []
-    for args in (("up", "--yes"), ("train",)):
-        result = gpuctl(*args)
-        outputs += [result.stdout, result.stderr]
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "step 4/4" in outputs[2]
-    wait_until(lambda: not fake.pods, 120, "the pod to terminate itself")
-    assert fake.terminated == ["fakepod000001"]
-    for _ in range(2):
-        down = gpuctl("down", "--yes")
-        outputs += [down.stdout, down.stderr]
-        assert down.returncode == 0, down.stderr
-    assert_secret_absent(fake.key, *outputs, dirs=(state_dir, tmp_path / "node", project))
 
 
 def test_the_cluster_key_goes_in_ssh_public_key_and_the_account_key_stays(project, fake, tmp_path, state_dir):

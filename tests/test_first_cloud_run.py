@@ -2,7 +2,9 @@
 parsed out of the page (so the page cannot go stale; the README's cloud example is the Vast.ai block,
 tests/test_docs.py) and its commands run against the fake vendor APIs (tests/fakes/) and moto's
 S3: `gpuctl init --provider ... --storage s3://...`, `offers`, `up`, `train`, `ckpt pull --hf`. The run trains,
-the final checkpoint lands in the bucket, and the instance is gone without `gpuctl down`.
+the final checkpoint lands in the bucket, and the instance is gone without `gpuctl down` (which then
+answers twice without error), its run's secrets.env removed, the API key in no output, state or node file
+(and, for Vast, in no request path).
 
 Where the block cannot run here as it stands, the test does the same thing and says so: `export KEY=...` is
 the fake's key in the environment; `aws s3 mb` gets moto's --endpoint-url; and after `init` the written
@@ -25,7 +27,15 @@ from provision.core import state
 from provision.core.config import load_config
 from provision.flows import cluster
 from provision.providers.base import UpOptions
-from tests.fakes.harness import node_fields, saved_run, serve_runpod, serve_vast, text_once_it_says, write_config
+from tests.fakes.harness import (
+    assert_secret_absent,
+    node_fields,
+    saved_run,
+    serve_runpod,
+    serve_vast,
+    text_once_it_says,
+    write_config,
+)
 from tests.helpers import REPO
 from tests.s3server import MotoS3, venv_bin
 
@@ -112,17 +122,27 @@ def test_the_guide_block_trains_stores_the_checkpoint_and_the_instance_is_gone(
     assert "step 2/2" in trained.stdout and "node: gone;" in trained.stderr, trained.stderr[-2000:]
     assert "teardown after-train: the" in trained.stderr  # `train` says it too
     # the node deleted itself: no `gpuctl down` ran, the vendor lists nothing, gpuctl forgot the cluster
-    assert not (fake.instances if vendor == "Vast.ai" else fake.pods)
+    if vendor == "Vast.ai":
+        assert not fake.instances and fake.deleted == [7000001]
+    else:
+        assert not fake.pods and fake.terminated == ["fakepod000001"]
     assert not list(state_dir.glob("clusters/*.json"))
     ended = [c for c in fake.calls if c.method == "DELETE" or "podTerminate" in str(c.body)]
     assert ended and all(c.headers["user-agent"].startswith("Python-urllib") for c in ended)  # the node's calls
     run_dir = next((project / "node" / "runs").iterdir())
     text_once_it_says(run_dir / "job.log", "self-teardown accepted")
+    assert not (run_dir / "secrets.env").exists()
     keys = {o["Key"] for o in s3.client().list_objects_v2(Bucket=BUCKET, Prefix="gpuctl/").get("Contents", [])}
     assert {"gpuctl/latest", "gpuctl/step2/manifest.json"} <= keys, keys
     pulled = gpuctl(*shlex.split(pull)[1:], timeout=600)
     assert pulled.returncode == 0, pulled.stderr[-3000:]
     assert (project / "deepseek-7b-hf" / "config.json").is_file()
+    downs = [gpuctl("down", "--yes") for _ in range(2)]  # after the node went by itself: nothing to do, twice
+    assert [d.returncode for d in downs] == [0, 0], downs[-1].stderr
+    outputs = [t for r in (said, listed, rented, trained, pulled, *downs) for t in (r.stdout, r.stderr)]
+    assert_secret_absent(fake.key, *outputs, dirs=(state_dir, project))  # the node's workdir is project/node
+    if vendor == "Vast.ai":
+        assert all(fake.key not in p for p in fake.raw_paths)  # never in a URL
 
 
 def test_the_aws_block_starts_as_written(project, gpuctl, s3_env, monkeypatch, tmp_path):

@@ -189,7 +189,9 @@ def test_clusters_editing_one_authorized_keys_at_once_keep_every_line(tmp_path):
     keys = tmp_path / "authorized_keys"
     keys.write_text("ssh-ed25519 AAAAuser user\n")
     lines = [f"ssh-ed25519 AAAAmesh{i} gpuctl-mesh-c{i}" for i in range(8)]
-    edits = [subprocess.Popen(["bash", "-c", mesh.EDIT_KEY, "x", str(keys), x, x], stderr=subprocess.PIPE) for x in lines]
+    edits = [
+        subprocess.Popen(["bash", "-c", mesh.EDIT_KEY, "x", str(keys), x, x], stderr=subprocess.DEVNULL) for x in lines
+    ]
     assert [e.wait(timeout=60) for e in edits] == [0] * 8
     assert sorted(keys.read_text().splitlines()) == sorted(["ssh-ed25519 AAAAuser user", *lines])
     bad = subprocess.run(["bash", "-c", mesh.EDIT_KEY, "x", str(keys), "no-key", "x"], capture_output=True, text=True)
