@@ -141,6 +141,15 @@ def test_bind_threads_replaces_torchruns_default_but_not_the_users():
 
 
 # -- pinned memory ----------------------------------------------------------------------------------
+def test_ranks_load_no_compiler_unless_the_environment_asks():
+    env: dict[str, str] = {}
+    hostenv.no_compiler(env)  # DeepSpeed's Muon decorates with torch.compile at import: a no-op now
+    assert env == {"TORCHDYNAMO_DISABLE": "1"}
+    mine = {"TORCHDYNAMO_DISABLE": "0"}  # gpuctl.yaml env: the user compiles in their own code
+    hostenv.no_compiler(mine)
+    assert mine == {"TORCHDYNAMO_DISABLE": "0"}
+
+
 def test_pin_env_only_for_gpu_ranks_on_torch_213():
     env: dict[str, str] = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert pinning.pin_env(env, version=(2, 10)) is None and "PYTORCH_ALLOC_CONF" not in env

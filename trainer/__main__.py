@@ -49,11 +49,12 @@ def main(argv: list[str]) -> int:
 
 
 def prepare_process(env: DistEnv) -> None:
-    """CPU threads and core binding for this rank, exact-size pinning where torch has it (trainer.hostenv,
-    trainer.pinning); one line per rank says what it got."""
+    """CPU threads and core binding for this rank, no torch.compile, exact-size pinning where torch has it
+    (trainer.hostenv, trainer.pinning); one line per rank says what it got."""
     from trainer import hostenv, pinning
 
     hostenv.env_tools_first()  # the environment's own ninja builds DeepSpeed's ops (see there)
+    hostenv.no_compiler()
     threads = hostenv.bind_threads()
     pinning.pin_env()
     if threads:

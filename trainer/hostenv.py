@@ -11,6 +11,11 @@ shows every host CPU while the quota allows a few, and OpenMP threads beyond it 
 An OMP_NUM_THREADS already in the environment (gpuctl.yaml env, CPU test ranks) wins: nothing is changed;
 GPUCTL_BIND_CORES=0 keeps the thread count but leaves placement to the OS (a node shared with other work).
 
+No compiler: the trainer never calls torch.compile, yet modules that decorate with it at import
+(DeepSpeed's Muon optimizer, imported by every deepspeed.initialize) pull in Inductor for nothing: 1.5 s of
+CPU per rank before the first step. TORCHDYNAMO_DISABLE=1 turns those decorators into no-ops; one already
+in the environment (gpuctl.yaml env) wins.
+
 Pinned memory: see trainer.pinning.
 """
 
@@ -70,6 +75,12 @@ def cgroup_cpu_limit(root: Path = CGROUP_ROOT) -> float | None:
     except ValueError:
         return None  # "max", or no cgroup files
     return q / p if q > 0 and p > 0 else None
+
+
+def no_compiler(environ: dict[str, str] | None = None) -> None:
+    """TORCHDYNAMO_DISABLE=1 unless the environment says otherwise (see the module's docstring)."""
+    env = os.environ if environ is None else environ
+    env.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
 def bind_threads(environ: dict[str, str] | None = None, cgroup_root: Path = CGROUP_ROOT) -> str | None:
