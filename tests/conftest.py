@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import Gpuctl
+from tests.helpers import Gpuctl, parent_of
 from trainer.hostenv import ops_cache_default
 
 pytest_plugins = [
@@ -59,7 +59,7 @@ def kill_left_running(folder: Path) -> list[str]:
     named = re.compile(re.escape(inside) + r"(/|\s|$)")  # test_x1 is not test_x10
     for entry in Path("/proc").iterdir():
         try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) if entry.name.isdigit() else 0
+            parent = parent_of(entry.name) if entry.name.isdigit() else 0
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
             seen[int(entry.name)] = (parent, os.readlink(entry / "cwd"), cmdline)
         except (OSError, ValueError, IndexError):  # gone, a zombie, not ours to read, not a process

@@ -39,6 +39,12 @@ print(F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.resha
 """
 
 
+def parent_of(pid: int | str) -> int:
+    """The parent pid, from /proc/<pid>/stat (the command name may hold spaces and parentheses: split
+    after its last ")"). OSError when the process is gone."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def free_port(*also: str) -> int:
     """A TCP port free on 127.0.0.1 and, when given, on every address in ``also`` (the loopback
     sshd listens on 127.0.0.1 and 127.0.0.2 with one port)."""

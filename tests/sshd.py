@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port
+from tests.helpers import free_port, parent_of
 
 SSHD_BIN = shutil.which("sshd") or "/usr/sbin/sshd"
 ADDRESSES = ("127.0.0.1", "127.0.0.2")
@@ -45,12 +45,11 @@ def keygen(path: Path, comment: str = "gpuctl-test") -> Path:
 def children_of(pid: int) -> list[int]:
     """Every descendant of pid (walks /proc), deepest last."""
     parents: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for proc in Path("/proc").glob("[0-9]*"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents.setdefault(parent_of(proc.name), []).append(int(proc.name))
         except OSError:
             continue
-        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
     out, todo = [], [pid]
     while todo:
         for child in parents.get(todo.pop(), []):

@@ -34,6 +34,7 @@ from provision.transport.ssh import node as sshnode
 from tests.fakes.guards import kill_guards, running
 from tests.fakes.harness import node_fields, ssh_target, text_once_it_says, wait_until, write_config
 from tests.fakes.vast_api import FakeVast
+from tests.helpers import parent_of
 
 pytestmark = pytest.mark.timeout(180)
 CAP_H = 0.006  # 21.6 s from the cluster's creation
@@ -111,7 +112,7 @@ def top_level_guards(workdir: Path) -> list[int]:
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             if str(workdir) in _cwd(proc) and b"guard.sh" in (proc / "cmdline").read_bytes():
-                guards[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                guards[int(proc.name)] = parent_of(proc.name)
         except (OSError, ValueError):  # gone meanwhile
             continue
     return sorted(pid for pid, parent in guards.items() if parent not in guards and running(pid))
