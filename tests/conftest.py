@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import warnings
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,25 @@ def pytest_collection_finish(session):
         raise pytest.UsageError(
             f"--dist loadgroup: {len(lost)} grouped tests have no group in their id ({lost[0]}); pytest-xdist does not support this pytest: pin pytest as pyproject.toml says"
         )
+
+
+# Wall seconds of every test (setup, call, teardown) per xdist worker and per group, as the controller
+# receives the reports: the serial lines and the busiest worker are the run's floor (tests/README.md).
+_BUSY: defaultdict[str, float] = defaultdict(float)
+_LINES: defaultdict[str, float] = defaultdict(float)
+
+
+def pytest_runtest_logreport(report):
+    worker = getattr(getattr(report, "node", None), "gateway", None)
+    _BUSY[worker.id if worker else "main"] += report.duration
+    _LINES[report.nodeid.rpartition("@")[2] if "@" in report.nodeid else "(no group)"] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _BUSY:
+        busy = ", ".join(f"{w} {s:.0f}s" for w, s in sorted(_BUSY.items()))
+        lines = ", ".join(f"{g} {s:.0f}s" for g, s in sorted(_LINES.items(), key=lambda x: -x[1]))
+        terminalreporter.write_line(f"busy per worker: {busy}; per group: {lines}")
 
 
 def _start_order(item) -> int:

@@ -7,15 +7,13 @@ Slurm is the engine: `up` checks the login node and holds nothing, `train` submi
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,7 +26,7 @@ from provision.providers.slurm import SlurmNode, gres_gpus, job_options, site_gp
 from provision.transport.remote import CommandResult, Node
 from tests import test_trainer_helpers as h
 from tests.fakes.harness import wait_until
-from tests.fakes.preempt import steps
+from tests.fakes.preempt import freeze_past_a_checkpoint
 from tests.helpers import Gpuctl
 from tests.slurm import GPUS
 
@@ -296,28 +294,14 @@ def stored_tags(s3_server, bucket: str, prefix: str) -> set[str]:
     return {obj["Key"][len(prefix) :].split("/")[0] for obj in listed if obj["Key"].endswith("manifest.json")}
 
 
+def newest_stored_step(s3_server, bucket: str, prefix: str) -> int:
+    """The newest tag's step with a manifest in the bucket (0: none yet)."""
+    return max((int(tag.removeprefix("step")) for tag in stored_tags(s3_server, bucket, prefix)), default=0)
+
+
 def started_run_dirs(shared: Path) -> set[Path]:
     """The run dirs under the Slurm workdir whose ranks have logged a step (job.log beside metrics.jsonl)."""
     return {log.parent for log in shared.rglob("job.log") if (log.parent / "metrics.jsonl").is_file()}
-
-
-def stop_mid_run(run_dir: Path, stored: Callable[[], object], max_steps: int, timeout: float = 240) -> int:
-    """SIGSTOP the run's processes once the bucket holds a checkpoint and the run has steps left to go (on
-    the tiny model a run outpaces its uploads: requeued later, it would have nothing left to resume);
-    returns the last step it logged. A requeue then kills the stopped processes."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        last = max(steps(run_dir / "metrics.jsonl"), default=0)
-        assert last < max_steps, f"the run finished before a checkpoint reached the bucket ({stored()})"
-        if not stored():
-            time.sleep(0.05)
-            continue
-        signal_run(run_dir, signal.SIGSTOP)
-        last = max(steps(run_dir / "metrics.jsonl"), default=0)
-        if last < max_steps and not (run_dir / "checkpoints" / f"step{max_steps}").exists():
-            return last
-        signal_run(run_dir, signal.SIGCONT)
-    raise AssertionError(f"no checkpoint in the bucket within {timeout:.0f} s")
 
 
 def signal_run(run_dir: Path, sig: int) -> None:
@@ -361,7 +345,13 @@ def test_a_requeued_job_resumes_with_the_losses_of_an_uninterrupted_run(
     try:
         wait_until(lambda: started_run_dirs(tmp_path / "shared") - {Path(reference)}, 240, "the run to start")
         (run_dir,) = started_run_dirs(tmp_path / "shared") - {Path(reference)}
-        stopped = stop_mid_run(run_dir, lambda: stored_tags(s3_server, fresh_bucket, "rq/"), shape["max_steps"])
+        # stopped once the bucket holds a checkpoint and steps remain (on the tiny model a run outpaces its
+        # uploads: requeued later, it would have nothing left to resume); a requeue kills what it stopped
+        newest = functools.partial(newest_stored_step, s3_server, fresh_bucket, "rq/")
+        losses, _stored = freeze_past_a_checkpoint(
+            run_dir, newest, functools.partial(signal_run, run_dir), timeout=240, last_step=shape["max_steps"]
+        )
+        stopped = max(losses)
         (job,) = [line.split()[0] for line in slurm.jobs()]
         slurm.sh("scontrol", "requeue", job)  # kills the stopped ranks and queues the job again
         held = ("Restarts=1", "JobState=PENDING", "Reason=BeginTime")  # an earlier update is overwritten

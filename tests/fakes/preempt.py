@@ -42,35 +42,60 @@ def steps(path: Path) -> dict[int, float]:
     return losses
 
 
-def _past_latest(run_dir: Path, store: Path) -> tuple[dict[int, float], int] | None:
-    """(the losses so far, the newest complete checkpoint's step) once the run has steps past it."""
-    latest = (store / "latest").read_text().strip() if (store / "latest").is_file() else ""
+def newest_in(store: Path) -> Callable[[], int]:
+    """The newest complete checkpoint's step in a file store (its `latest`; 0: none yet)."""
+
+    def newest() -> int:
+        latest = (store / "latest").read_text().strip() if (store / "latest").is_file() else ""
+        return int(latest.removeprefix("step")) if latest else 0
+
+    return newest
+
+
+def _past_newest(run_dir: Path, newest_stored: Callable[[], int]) -> tuple[dict[int, float], int] | None:
+    """(the losses so far, the newest stored checkpoint's step) once the run has steps past it."""
+    stored = newest_stored()
     before = steps(run_dir / "metrics.jsonl")
-    if latest and max(before, default=0) > int(latest.removeprefix("step")):
-        return before, int(latest.removeprefix("step"))
+    if stored and max(before, default=0) > stored:
+        return before, stored
     return None
 
 
 def freeze_past_a_checkpoint(
-    run_dir: Path, store: Path, signal_run: Callable[[int], None] | None = None, timeout: float = 600.0
+    run_dir: Path,
+    store: Path | Callable[[], int],
+    signal_run: Callable[[int], None] | None = None,
+    timeout: float = 600.0,
+    last_step: int | None = None,
 ) -> tuple[dict[int, float], int]:
     """Stop the run's processes (SIGSTOP) at a moment when it has run steps past the store's newest
     complete checkpoint; (the losses so far, that checkpoint's step). Nothing moves until the kill.
 
     On the tiny model that moment may last a step or two (0.1 s each): the next checkpoint is
     published right behind its save. So it is looked for every 20 ms without stopping anything,
-    then confirmed with the run stopped. ``signal_run(sig)`` signals every process of the run
-    (default: its process group, from status.json)."""
+    then confirmed with the run stopped. ``store``: a file store's folder, or a function giving the
+    newest stored step (0: none; an S3 bucket's). ``signal_run(sig)`` signals every process of the run
+    (default: its process group, from status.json). ``last_step``: the run's final step, which it must
+    not have reached (nor begun to save) when it stops: a run that got there first fails the test."""
+    newest_stored = newest_in(store) if isinstance(store, Path) else store
     if signal_run is None:
         signal_run = functools.partial(os.killpg, json.loads((run_dir / "status.json").read_text())["pgid"])
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if _past_latest(run_dir, store) is None:
+        if last_step is not None:
+            assert max(steps(run_dir / "metrics.jsonl"), default=0) < last_step, (
+                "the run ended before a stored checkpoint"
+            )
+        if _past_newest(run_dir, newest_stored) is None:
             time.sleep(0.02)
             continue
         signal_run(signal.SIGSTOP)
-        found = _past_latest(run_dir, store)  # it may have published again before it stopped
-        if found is not None:
+        found = _past_newest(run_dir, newest_stored)  # it may have published again before it stopped
+        if found is not None and (last_step is None or _short_of(run_dir, found[0], last_step)):
             return found
         signal_run(signal.SIGCONT)
     raise AssertionError(f"the run never got past a stored checkpoint within {timeout:.0f} s")
+
+
+def _short_of(run_dir: Path, losses: dict[int, float], last_step: int) -> bool:
+    return max(losses, default=0) < last_step and not (run_dir / "checkpoints" / f"step{last_step}").exists()
