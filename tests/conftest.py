@@ -106,6 +106,7 @@ ONE_WORKER_FIXTURES = {
 # (serial seconds in one full run: fsdp_e2e 267, trainer_end_of_run 215, storage_e2e 133, hardening_ckpt_load
 # 117, first_cloud_run 110, ... of ~2,700). A module stays whole: its module-scoped runs and servers are shared.
 RANKS_B = {
+    "test_doctor_internode",
     "test_fsdp_e2e",
     "test_trainer_end_of_run",
     "test_cloud_runpod",

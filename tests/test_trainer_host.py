@@ -150,6 +150,17 @@ def test_ranks_load_no_compiler_unless_the_environment_asks():
     assert mine == {"TORCHDYNAMO_DISABLE": "0"}
 
 
+def test_a_rank_takes_the_cpu_census_once(monkeypatch):
+    import cpuinfo
+
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", cpuinfo.get_cpu_info)  # put back after the test
+    hostenv.cpu_info_once()
+    hostenv.cpu_info_once()  # a second call wraps nothing again
+    first = cpuinfo.get_cpu_info()  # what DeepSpeed's op builders read, from a Python subprocess
+    assert first["arch"] and cpuinfo.get_cpu_info() is first  # the second op load asks no new process
+    assert cpuinfo.get_cpu_info.cache_info().misses == 1
+
+
 def test_pin_env_only_for_gpu_ranks_on_torch_213():
     env: dict[str, str] = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert pinning.pin_env(env, version=(2, 10)) is None and "PYTORCH_ALLOC_CONF" not in env

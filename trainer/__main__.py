@@ -55,6 +55,7 @@ def prepare_process(env: DistEnv) -> None:
 
     hostenv.env_tools_first()  # the environment's own ninja builds DeepSpeed's ops (see there)
     hostenv.no_compiler()
+    hostenv.cpu_info_once()
     threads = hostenv.bind_threads()
     pinning.pin_env()
     if threads:

@@ -16,11 +16,16 @@ No compiler: the trainer never calls torch.compile, yet modules that decorate wi
 CPU per rank before the first step. TORCHDYNAMO_DISABLE=1 turns those decorators into no-ops; one already
 in the environment (gpuctl.yaml env) wins.
 
+One CPU census: DeepSpeed's op builders ask py-cpuinfo for the CPU's flags at every op load (CPU Adam,
+the shared-memory all-reduce), and py-cpuinfo answers each call from a new Python process (1.2 s of CPU
+here); the answer cannot change within a rank, so it is kept after the first.
+
 Pinned memory: see trainer.pinning.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Iterator
@@ -81,6 +86,16 @@ def no_compiler(environ: dict[str, str] | None = None) -> None:
     """TORCHDYNAMO_DISABLE=1 unless the environment says otherwise (see the module's docstring)."""
     env = os.environ if environ is None else environ
     env.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+
+def cpu_info_once() -> None:
+    """py-cpuinfo's get_cpu_info answers once per process (see the module's docstring)."""
+    try:
+        import cpuinfo  # DeepSpeed's dependency: it imports it at the first op load anyway
+    except ImportError:
+        return
+    if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
+        cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
 
 
 def bind_threads(environ: dict[str, str] | None = None, cgroup_root: Path = CGROUP_ROOT) -> str | None:
