@@ -140,7 +140,6 @@ def test_bind_threads_replaces_torchruns_default_but_not_the_users():
     assert out.stdout.strip().splitlines() == ["None", f"1 {sorted(os.sched_getaffinity(0))}"]
 
 
-# -- pinned memory ----------------------------------------------------------------------------------
 def test_ranks_load_no_compiler_unless_the_environment_asks():
     env: dict[str, str] = {}
     hostenv.no_compiler(env)  # DeepSpeed's Muon decorates with torch.compile at import: a no-op now
@@ -161,6 +160,7 @@ def test_a_rank_takes_the_cpu_census_once(monkeypatch):
     assert cpuinfo.get_cpu_info.cache_info().misses == 1
 
 
+# -- pinned memory ----------------------------------------------------------------------------------
 def test_pin_env_only_for_gpu_ranks_on_torch_213():
     env: dict[str, str] = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert pinning.pin_env(env, version=(2, 10)) is None and "PYTORCH_ALLOC_CONF" not in env

@@ -52,13 +52,9 @@ def newest_in(store: Path) -> Callable[[], int]:
     return newest
 
 
-def _past_newest(run_dir: Path, newest_stored: Callable[[], int]) -> tuple[dict[int, float], int] | None:
+def _past_newest(losses: dict[int, float], stored: int) -> tuple[dict[int, float], int] | None:
     """(the losses so far, the newest stored checkpoint's step) once the run has steps past it."""
-    stored = newest_stored()
-    before = steps(run_dir / "metrics.jsonl")
-    if stored and max(before, default=0) > stored:
-        return before, stored
-    return None
+    return (losses, stored) if stored and max(losses, default=0) > stored else None
 
 
 def freeze_past_a_checkpoint(
@@ -82,15 +78,14 @@ def freeze_past_a_checkpoint(
         signal_run = functools.partial(os.killpg, json.loads((run_dir / "status.json").read_text())["pgid"])
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if last_step is not None:
-            assert max(steps(run_dir / "metrics.jsonl"), default=0) < last_step, (
-                "the run ended before a stored checkpoint"
-            )
-        if _past_newest(run_dir, newest_stored) is None:
+        losses = steps(run_dir / "metrics.jsonl")
+        assert last_step is None or max(losses, default=0) < last_step, "the run ended before a stored checkpoint"
+        if _past_newest(losses, newest_stored()) is None:
             time.sleep(0.02)
             continue
         signal_run(signal.SIGSTOP)
-        found = _past_newest(run_dir, newest_stored)  # it may have published again before it stopped
+        # it may have published again before it stopped
+        found = _past_newest(steps(run_dir / "metrics.jsonl"), newest_stored())
         if found is not None and (last_step is None or _short_of(run_dir, found[0], last_step)):
             return found
         signal_run(signal.SIGCONT)
