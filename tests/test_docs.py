@@ -116,3 +116,12 @@ def test_the_readme_stays_short_and_its_cloud_example_is_the_guides():
     guide = (REPO / "docs" / "first-cloud-run.md").read_text().split("\n## Vast.ai\n", 1)[1]
     example = re.search(r"```bash\n.*?```", readme.split("\n## A cloud run\n", 1)[1], re.S)
     assert example and example[0] in guide, "the README's cloud example must be the guide's Vast.ai block"
+
+
+@pytest.mark.parametrize(("page", "section"), [("README.md", "\n## Slurm\n"), ("docs/slurm.md", "\n")])
+def test_the_slurm_examples_are_valid_configs(page, section):
+    text = (REPO / page).read_text().split(section, 1)[1]
+    block = re.search(r"```yaml\n(.*?)```", text, re.S)
+    assert block, f"{page}: no gpuctl.yaml example"
+    cfg = GpuctlConfig.model_validate(yaml.safe_load(block[1]))
+    assert cfg.provider.kind == "slurm" and cfg.provider.nodes == 2

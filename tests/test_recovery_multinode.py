@@ -10,6 +10,7 @@ one file system too, so the run dir is one folder for both.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -24,7 +25,7 @@ from provision.flows import recover, replace_node
 from provision.providers import vast
 from provision.providers.base import UpOptions
 from tests.fakes.harness import node_fields, saved_run, serve_vast, wait_until, write_config
-from tests.fakes.preempt import freeze_past_a_checkpoint, steps
+from tests.fakes.preempt import freeze_past_a_checkpoint, signal_run, steps
 from tests.fakes.vast_api import offer
 from tests.helpers import GPUCTL, free_port
 from tests.sshd import children_of
@@ -87,18 +88,6 @@ def test_no_replacement_offer_gives_the_whole_cluster_path(project, fake, tmp_pa
     assert not fake.instances and state.find_cluster("vast-two") is None
 
 
-def _run_processes(run_dir: Path) -> list[int]:
-    """Every process of the run, both nodes (their cwd is the run dir: gpuctl's rule too)."""
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            if os.readlink(proc / "cwd") == str(run_dir):
-                found.append(int(proc.name))
-        except OSError:
-            continue
-    return found
-
-
 def _signal(pids: list[int], sig: int) -> None:
     for pid in pids:
         try:
@@ -133,7 +122,7 @@ def test_e2e_a_lost_second_node_is_replaced_and_the_run_resumes(project, gpuctl,
         wait_until(lambda: runs.is_dir() and any(runs.iterdir()), 120, "the run to start")
         run_dir = next(runs.iterdir())
         before, stored = freeze_past_a_checkpoint(
-            run_dir, project / "gpuctl-storage", lambda sig: _signal(_run_processes(run_dir), sig)
+            run_dir, project / "gpuctl-storage", functools.partial(signal_run, run_dir)
         )
         fake.preempt(7000002)  # the vendor says exited; what ran there ends with the machine
         _signal(_node1_processes(tmp_path / "node"), signal.SIGKILL)
@@ -144,7 +133,7 @@ def test_e2e_a_lost_second_node_is_replaced_and_the_run_resumes(project, gpuctl,
         if proc.poll() is None:
             proc.kill()
             for folder in runs.iterdir():  # nothing stopped stays behind a failed test
-                _signal(_run_processes(folder), signal.SIGKILL)
+                signal_run(folder, signal.SIGKILL)
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
     assert "node lost: vast instance 7000002 was preempted or stopped" in err
     assert "replacing lost node(s) node1 (7000002); the other 1 keep their instances" in err

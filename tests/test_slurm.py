@@ -1,7 +1,8 @@
-"""provider.kind slurm against a real Slurm (tests/slurm.py: slurmctld + slurmd on loopback).
+"""provider.kind slurm against a real Slurm (tests/slurm.py: slurmctld + two slurmd on loopback).
 
-Slurm is the engine: `up` checks the login node and holds nothing, `train` submits one batch job
-(srun starts launch.sh, CPU ranks of the tiny model), the live view shows the job's queue state,
+Slurm is the engine: `up` checks the login node and holds nothing (runtime bootstrap: it builds the venv
+in a job), `train` submits one batch job (srun starts each node's launcher, CPU ranks of the tiny model),
+the live view shows the job's queue state,
 `cancel` is scancel and `down` cancels the cluster's jobs. Each test ends with squeue empty.
 """
 
@@ -14,21 +15,18 @@ import secrets
 import subprocess
 import sys
 import threading
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 import yaml
-from hypothesis import given
-from hypothesis import strategies as st
 
-from provision.core.provider_config import SlurmProvider
-from provision.providers.slurm import SlurmNode, gres_gpus, job_options, site_gpu_request
-from provision.transport.remote import CommandResult, Node
 from tests import test_trainer_helpers as h
 from tests.fakes.harness import wait_until
-from tests.fakes.preempt import freeze_past_a_checkpoint
+from tests.fakes.preempt import freeze_past_a_checkpoint, signal_run
 from tests.helpers import Gpuctl
-from tests.slurm import GPUS
+from tests.slurm import GPUS, NODES
+from trainer.hostenv import ops_cache_default
 
 
 def write_config(
@@ -54,73 +52,11 @@ def write_config(
     (project / "gpuctl.yaml").write_text(yaml.safe_dump(cfg))
 
 
-def test_the_job_asks_for_the_walltime_warning_and_names_what_travels():
-    prov = SlurmProvider(
-        workdir="/shared/x", partition="gpu", gpus_per_node=4, time="2:00:00", save_before_walltime_s=600
-    )
-    opts = job_options(prov)
-    assert "--signal=USR1@600" in opts and opts[opts.index("--gpus-per-node") + 1] == "4"
-    assert not any(o.startswith("--export") and "=" in o.split("=", 1)[1] for o in opts)  # names, never values
-
-
-def test_the_job_asks_for_gpus_the_way_the_site_does():
-    assert site_gpu_request("AuthType = auth/munge\nSelectType              = select/cons_tres\n") == "gpus-per-node"
-    assert site_gpu_request("SelectType = select/cons_res\nSelectTypeParameters = CR_Core\n") == "gres"
-    assert site_gpu_request("") == "gres"  # an old or unreadable config: --gres is what every Slurm knows
-    prov = SlurmProvider(workdir="/shared/x", gpus_per_node=2, gpu_request="gres")
-    opts = job_options(prov)
-    assert opts[opts.index("--gres") + 1] == "gpu:2" and "--gpus-per-node" not in opts
-    assert [gres_gpus(g) for g in ("gpu:4", "gpu:a100:4(S:0-1)", "gpu:a:2,gpu:b:2", "(null)", "mps:100")] == [
-        4,
-        4,
-        4,
-        0,
-        0,
-    ]
-
-
-class ScriptedLogin(Node):
-    """A login node whose commands answer from `answers` (argv[0] -> (rc, stdout, stderr))."""
-
-    def __init__(self, answers: dict[str, tuple[int, str, str]]):
-        self.answers = answers
-
-    def _execute(self, argv, timeout, stream, stdin) -> CommandResult:
-        return CommandResult(*self.answers[argv[0]])
-
-
-def test_a_job_scontrol_forgot_reads_its_end_from_sacct():
-    forgot = (1, "", "slurm_load_jobs error: Invalid job id specified\n")
-    node = SlurmNode(ScriptedLogin({"scontrol": forgot, "sacct": (0, "PREEMPTED\n", "")}), [])
-    assert node.queue_state(7) == "Slurm job 7 PREEMPTED" and not node.group_alive(7)
-    node = SlurmNode(ScriptedLogin({"scontrol": forgot, "sacct": (0, "CANCELLED by 0\n", "")}), [])
-    assert node.queue_state(7) == "Slurm job 7 CANCELLED"
-    no_accounting = (1, "", "sacct: error: Slurm accounting storage is disabled\n")
-    assert SlurmNode(ScriptedLogin({"scontrol": forgot, "sacct": no_accounting}), []).queue_state(7) is None
-
-
-class CannedLogin(Node):
-    """A login node whose scontrol prints `out` (what a hostile or odd Slurm might)."""
-
-    def __init__(self, out: str):
-        self.out = out
-
-    def _execute(self, argv, timeout, stream, stdin) -> CommandResult:
-        return CommandResult(0, self.out, "")
-
-
-@given(st.text(max_size=300))
-def test_the_queue_state_shown_is_slurms_words_only(reason):
-    out = f"JobId=7 JobName=x JobState=PENDING Reason={reason} Dependency=(null)"
-    shown = SlurmNode(CannedLogin(out), []).queue_state(7)
-    assert shown is not None and shown.startswith("Slurm job 7 PENDING")
-    assert all(ch.isprintable() and ord(ch) < 128 for ch in shown)
-
-
-def doctor_jobs(slurm) -> dict[str, str]:
-    """The doctor's jobs Slurm still remembers (finished ones too: MinJobAge), by job id."""
+def doctor_jobs(slurm, name: str = "doctor") -> dict[str, str]:
+    """gpuctl's short jobs of that name (the doctor's, the bootstrap install's) that Slurm still remembers
+    (finished ones too: MinJobAge), by job id."""
     out = slurm.sh("scontrol", "show", "job", "--oneliner").stdout
-    return {line.split()[0]: line for line in out.splitlines() if "JobName=gpuctl-doctor " in line}
+    return {line.split()[0]: line for line in out.splitlines() if f"JobName=gpuctl-{name} " in line}
 
 
 def test_up_checks_the_login_node_and_holds_nothing(project, gpuctl: Gpuctl, slurm, tmp_path, state_dir):
@@ -132,6 +68,15 @@ def test_up_checks_the_login_node_and_holds_nothing(project, gpuctl: Gpuctl, slu
     write_config(project, gpuctl, tmp_path / "shared", {"workdir": str(tmp_path / "missing")})
     bad = gpuctl("up")
     assert bad.returncode != 0 and "provider.workdir" in bad.stderr
+
+    write_config(project, gpuctl, tmp_path / "shared", {"nodes": 3})
+    bad = gpuctl("up")
+    assert bad.returncode != 0 and "provider.nodes is 3 but the partition has 2 node(s)" in bad.stderr, bad.stderr
+
+    write_config(project, gpuctl, tmp_path / "shared", {"runtime": "bootstrap", "python": "/opt/none/python3"})
+    bad = gpuctl("up")  # the install job finds no such python on the compute node: one line, nothing recorded
+    assert bad.returncode != 0 and "slurm: the image has no /opt/none/python3" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr and not list((state_dir / "clusters").glob("*.json"))
 
     write_config(project, gpuctl, tmp_path / "shared", {"cpus_per_task": 64})  # more than any node has
     bad = gpuctl("up")
@@ -172,25 +117,50 @@ def test_train_on_slurm_succeeds_with_falling_loss(project, gpuctl: Gpuctl, slur
         "storage": {"url": f"s3://{fresh_bucket}/slurm", "endpoint_url": s3_server.endpoint},
     }
     shape = {"max_steps": 8, "checkpoint_every": 4, "micro_batch": 1, "grad_accum": 2}
-    write_config(project, gpuctl, tmp_path / "shared", top=top, **shape)
+    # one rank on each of the cluster's two nodes, in the venv `up` builds on the shared filesystem over this
+    # suite's Python (its torch is the pinned CPU one); the ranks reuse this venv's DeepSpeed ops (else a build)
+    two_nodes = {"nodes": 2, "cpu_ranks": 1, "runtime": "bootstrap"}
+    top["env"] = {"TORCH_EXTENSIONS_DIR": ops_cache_default(dict(os.environ))}
+    write_config(project, gpuctl, tmp_path / "shared", two_nodes, top=top, **shape)
     token = "tok-" + secrets.token_hex(8)
-    assert gpuctl("up").returncode == 0
+    before = doctor_jobs(slurm, "bootstrap")
+    up = gpuctl("up", "--skip-doctor")
+    venv = tmp_path / "shared" / "venv"
+    assert up.returncode == 0 and f"slurm: node side installed in {venv}" in up.stderr, up.stderr[-3000:]
+    assert f"the image's torch {version('torch')}" in up.stderr  # used, not reinstalled
+    installs = [line for job, line in doctor_jobs(slurm, "bootstrap").items() if job not in before]
+    assert len(installs) == 1 and "JobState=COMPLETED" in installs[0]  # on a compute node, through Slurm
     train = gpuctl("train", "-v", env={"HF_TOKEN": token, "AWS_SECRET_ACCESS_KEY": token + "aws"})  # moto takes any
     assert train.returncode == 0, train.stdout[-4000:] + train.stderr[-2000:]
-    assert "gpuctl: Slurm job" in train.stdout  # the batch script ran under Slurm (job log)
+    # the batch script ran under Slurm (job log), with the rendezvous on the first node's NodeAddr
+    assert "gpuctl: Slurm job" in train.stdout and "(master 127.0.0.1)" in train.stdout
+    # srun started a launcher on each node at Slurm's node rank, and the hostfile is Slurm's node list
+    for rank, node in enumerate(NODES):
+        assert f"gpuctl: node rank {rank} on {node} starts 1 rank(s) with deepspeed" in train.stdout
     status = json.loads(gpuctl("status", "--json").stdout)["run"]
     assert status["state"] == "succeeded" and status["steps"] == 8 and status["world_size"] == 2
     run_dir = Path(status["run_dir"])
     assert run_dir.is_relative_to(tmp_path / "shared")
+    assert (run_dir / "hostfile").read_text() == "".join(f"{node} slots=1\n" for node in NODES)
+    assert f"{venv}/bin/python -u -m trainer.slurm_node deepspeed 1" in (run_dir / "launch.sh").read_text()
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["loss"] < metrics[0]["loss"]
     assert not (run_dir / "secrets.env").exists()  # the ranks read it and it went
     assert stored_tags(s3_server, fresh_bucket, "slurm/") == {"step4", "step8"}  # complete checkpoints in S3
+    # one run dir for both nodes: rank 0 alone uploads it, both ranks' optimizer shards, once
+    listed = s3_server.client().list_objects_v2(Bucket=fresh_bucket, Prefix="slurm/step8/")["Contents"]
+    keys = {obj["Key"].removeprefix("slurm/step8/") for obj in listed}
+    assert {k for k in keys if k.startswith("_nodes/")} == {"_nodes/0.json"}
+    assert {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)} <= keys, keys
+    assert "node 1 upload done" not in train.stdout
     assert slurm.jobs() == []
     # sbatch copies the submitting shell's environment into the job by default, and slurmctld keeps it
     # in its state files: gpuctl names what travels, so no secret of its shell reaches Slurm's disk
     assert not [p for p in slurm.root.rglob("*") if p.is_file() and token.encode() in p.read_bytes()]
     assert token not in train.stdout + train.stderr
+    assert gpuctl("down").returncode == 0  # forgets the cluster; the venv on the shared filesystem stays
+    again = gpuctl("up", "--skip-doctor")  # the same pins: kept, not built again
+    assert again.returncode == 0 and "node side already installed" in again.stderr, again.stderr
     assert gpuctl("down").returncode == 0
 
 
@@ -198,7 +168,7 @@ def test_train_on_slurm_succeeds_with_falling_loss(project, gpuctl: Gpuctl, slur
 def test_pending_shows_its_reason_cancel_and_down_leave_no_job(project, gpuctl: Gpuctl, slurm, tmp_path, state_dir):
     write_config(project, gpuctl, tmp_path / "shared", max_steps=4)
     assert gpuctl("up").returncode == 0
-    blocker = slurm.sh("sbatch", "--parsable", "--exclusive", "--wrap", "sleep 600").stdout.strip()
+    blocker = slurm.sh("sbatch", "--parsable", "--exclusive", "--nodes=2", "--wrap", "sleep 600").stdout.strip()
     wait_until(lambda: f"{blocker} RUNNING None" in slurm.jobs(), 30, "the blocking job to run")
 
     follow = subprocess.Popen(
@@ -304,20 +274,6 @@ def started_run_dirs(shared: Path) -> set[Path]:
     return {log.parent for log in shared.rglob("job.log") if (log.parent / "metrics.jsonl").is_file()}
 
 
-def signal_run(run_dir: Path, sig: int) -> None:
-    """The Python processes (launcher, ranks) whose working dir is the run dir or whose command line names
-    it; never slurmstepd or the batch shell, which must answer the requeue."""
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            if not Path(os.readlink(proc / "exe")).name.startswith("python"):
-                continue
-            named = str(run_dir).encode() in (proc / "cmdline").read_bytes()
-            if named or os.readlink(proc / "cwd").startswith(str(run_dir)):
-                os.kill(int(proc.name), sig)
-        except (OSError, ValueError):  # gone meanwhile, or not ours
-            continue
-
-
 @pytest.mark.slow
 def test_a_requeued_job_resumes_with_the_losses_of_an_uninterrupted_run(
     project, gpuctl: Gpuctl, slurm, tmp_path, s3_server, fresh_bucket
@@ -348,9 +304,8 @@ def test_a_requeued_job_resumes_with_the_losses_of_an_uninterrupted_run(
         # stopped once the bucket holds a checkpoint and steps remain (on the tiny model a run outpaces its
         # uploads: requeued later, it would have nothing left to resume); a requeue kills what it stopped
         newest = functools.partial(newest_stored_step, s3_server, fresh_bucket, "rq/")
-        losses, _stored = freeze_past_a_checkpoint(
-            run_dir, newest, functools.partial(signal_run, run_dir), timeout=240, last_step=shape["max_steps"]
-        )
+        ranks = functools.partial(signal_run, run_dir, by_cmdline=True)  # not slurmstepd, not the batch shell
+        losses, _stored = freeze_past_a_checkpoint(run_dir, newest, ranks, timeout=240, last_step=shape["max_steps"])
         stopped = max(losses)
         (job,) = [line.split()[0] for line in slurm.jobs()]
         slurm.sh("scontrol", "requeue", job)  # kills the stopped ranks and queues the job again
@@ -379,17 +334,3 @@ def test_a_requeued_job_resumes_with_the_losses_of_an_uninterrupted_run(
     assert not list(run_dir.glob("secrets.*"))  # the run is over: no copy of its secrets is left
     assert slurm.jobs() == []
     assert gpuctl("down").returncode == 0
-
-
-def test_a_restart_resumes_from_the_newest_tag_this_run_saved(tmp_path, monkeypatch):
-    from trainer.config import requeued_resume
-
-    run = tmp_path / "run"
-    assert requeued_resume(run, {"url": "s3://b/x"}, None) is None  # nothing saved before the requeue: fresh
-    assert requeued_resume(run, {"url": "s3://b/x"}, "step2") == "step2"  # ... or what the run resumed from
-    for tag in ("step3", "step12", "step6"):
-        (run / "checkpoints" / tag).mkdir(parents=True)
-    assert requeued_resume(run, {"url": "s3://b/x"}, None) == "step12"  # the store falls back if incomplete
-    assert requeued_resume(run, None, None) is None  # no store and no DeepSpeed `latest`
-    (run / "checkpoints" / "latest").write_text("step12")
-    assert requeued_resume(run, None, None) == str((run / "checkpoints").resolve())

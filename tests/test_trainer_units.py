@@ -151,7 +151,20 @@ def test_dist_env_node_rank(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "6")
     monkeypatch.setenv("LOCAL_SIZE", "3")
     env = DistEnv.from_env(num_nodes=2)
-    assert (env.node_rank, env.is_main, env.is_local_main) == (1, False, False)
+    assert (env.node_rank, env.is_main, env.is_dir_main) == (1, False, False)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("RANK", "3")  # node 1's first rank: its own run dir's main, not a shared one's
+    assert DistEnv.from_env(num_nodes=2).is_dir_main and not DistEnv.from_env(2, shared_dir=True).is_dir_main
+    monkeypatch.setenv("RANK", "0")
+    assert DistEnv.from_env(2, shared_dir=True).is_dir_main
+
+
+def test_shared_dir_is_a_bool(tmp_path):
+    base = {"ds_config": "ds.json", "train": {}}
+    assert parse_run_config({**base, "shared_dir": True}, tmp_path).shared_dir
+    assert not parse_run_config(base, tmp_path).shared_dir
+    with pytest.raises(TrainerError, match="shared_dir must be true or false"):
+        parse_run_config({**base, "shared_dir": "yes"}, tmp_path)
 
 
 # -- metrics ------------------------------------------------------------------------------------

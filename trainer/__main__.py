@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
     try:
         secrets_file.load(run_dir)  # first: the run's secrets reach this rank only this way (see there)
         cfg = load_run_config(run_json)
-        env = DistEnv.from_env(cfg.num_nodes)
+        env = DistEnv.from_env(cfg.num_nodes, cfg.shared_dir)
         stop = stop_signal.install()  # before the slow imports: a walltime warning may come early
         prepare_process(env)  # before torch loads: OpenMP and the pinned allocator read the env once
         # heavy imports (torch, deepspeed) only once the config is sound

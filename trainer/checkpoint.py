@@ -77,12 +77,13 @@ class Checkpointer:
         self.from_store: set[str] = set()  # the tag fetched for resume: the store has it
         if cfg.resume and not cfg.resume.startswith("/") and (self.dir / "latest").is_file():
             self.from_store.add((self.dir / "latest").read_text().strip())
-        if store is not None and env.is_local_main:
+        if store is not None and env.is_dir_main:
             from trainer.objstore.uploader import BackgroundUploader
 
             done = (lambda tag: events.checkpoint(tag, "published")) if env.is_main else None
             skip = (lambda tag: events.checkpoint(tag, "superseded")) if env.is_main else None
-            self.uploader = BackgroundUploader(store, env.node_rank, cfg.num_nodes, on_done=done, on_skip=skip)
+            nodes = 1 if env.shared_dir else cfg.num_nodes  # one shared run dir: rank 0 uploads every node's files
+            self.uploader = BackgroundUploader(store, env.node_rank, nodes, on_done=done, on_skip=skip)
         self.has_store = store is not None  # the same on every rank: whether save() coalesces uploads
         if store is not None:  # this start's markers only: an earlier attempt's may still be in the store
             store.attempt = f"{_attempt_everywhere():016x}"
@@ -106,7 +107,7 @@ class Checkpointer:
         }
         events.checkpoint(tag, "saving")
         self.engine.save_checkpoint(str(self.dir), tag=tag, client_state=state)
-        if self.env.is_local_main:
+        if self.env.is_dir_main:
             (self.dir / tag / STATE_FILE).write_text(json.dumps(state) + "\n")
         if self.env.is_main and (self.cfg.run_dir / METRICS_FILE).is_file():
             # the steps so far travel with the checkpoint: a run resumed from it on a new node
@@ -115,7 +116,7 @@ class Checkpointer:
         dist.barrier()  # every shard of this node is on disk before upload
         if self.uploader is not None:
             self.uploader.submit(self.dir / tag, tag, pos.step, self.env.world_size)
-        if self.env.is_local_main:
+        if self.env.is_dir_main:
             self.log(f"checkpoint {tag} saved" + (", uploading" if self.uploader else ""))
             self.last_bytes = tag_bytes(self.dir / tag)
             events.checkpoint(tag, "uploading" if self.uploader else "saved", self.last_bytes)
@@ -142,12 +143,12 @@ class Checkpointer:
                 up.release(drop, by=f"checkpoint {tag}")
 
     def make_room(self, tag: str, final: bool) -> bool:
-        """Collective: every node's local rank 0 frees what is safe (trainer.diskroom) and all ranks agree.
+        """Collective: every run dir's main rank frees what is safe (trainer.diskroom) and all ranks agree.
         While an upload runs that would free space, everyone waits in short rounds of POLL_S."""
         need = self.expected_bytes()
         waited = False
         while True:
-            mine = self._room(need) if self.env.is_local_main else Room.ROOM
+            mine = self._room(need) if self.env.is_dir_main else Room.ROOM
             verdict = Room(_max_everywhere(int(mine)))
             if verdict == Room.ROOM:
                 return True
@@ -185,6 +186,8 @@ class Checkpointer:
         if self.last_bytes:
             return self.last_bytes
         env = self.env
+        if env.shared_dir:  # the one run dir holds every node's share: node 0's with every rank's shard
+            return expected_save_bytes(self.params, self.precision, env.world_size, env.world_size, 0)
         return expected_save_bytes(self.params, self.precision, env.world_size, env.local_world_size, env.node_rank)
 
     def finish(self) -> None:
@@ -314,14 +317,14 @@ def locate_local(path: Path) -> tuple[Path, str]:
 
 
 def fetch_from_store(cfg: RunConfig, env: DistEnv, store, log) -> tuple[Path, str]:
-    """Local rank 0 of each node downloads the tag into checkpoints/; the others wait."""
+    """Each run dir's main rank (DistEnv.is_dir_main) downloads the tag into checkpoints/; the others wait."""
     if store is None:
         raise TrainerError(f"resume {cfg.resume!r} needs object storage, but run.json has none")
     from trainer.objstore.backends import StorageError
 
     dest = cfg.run_dir / CKPT_DIR
     error = None
-    if env.is_local_main:
+    if env.is_dir_main:
         try:
             wanted = store.latest() if cfg.resume == "latest" else store.info(cfg.resume)
             if wanted is not None and wanted.world_size != env.world_size:  # before fetching gigabytes

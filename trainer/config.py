@@ -89,6 +89,7 @@ class RunConfig:
     warnings: tuple[str, ...] = ()  # unknown keys etc., printed by rank 0
     # seconds a collective may wait before the ranks give up (gpuctl derives it from plan's sizes)
     collective_timeout_s: int = DEFAULT_COLLECTIVE_TIMEOUT_S
+    shared_dir: bool = False  # every node's ranks see this one run dir (a Slurm job's shared filesystem)
 
 
 def _typed(cls, block: dict, where: str) -> tuple[dict, list[str]]:
@@ -132,11 +133,14 @@ def parse_run_config(raw: dict, run_dir: Path) -> RunConfig:
         raise TrainerError("run.json: storage must be an object or null")
     if os.environ.get(REQUEUED_ENV):
         resume = requeued_resume(run_dir, storage, resume)
-    known = ("run_id", "ds_config", "num_nodes", "train", "storage", "resume", "collective_timeout_s")
+    known = ("run_id", "ds_config", "num_nodes", "train", "storage", "resume", "collective_timeout_s", "shared_dir")
     unknown += [k for k in raw if k not in known]
     num_nodes = raw.get("num_nodes", 1)
     if not isinstance(num_nodes, int) or num_nodes < 1:
         raise TrainerError(f"run.json: num_nodes must be an integer >= 1, got {num_nodes!r}")
+    shared_dir = raw.get("shared_dir", False)
+    if not isinstance(shared_dir, bool):
+        raise TrainerError(f"run.json: shared_dir must be true or false, got {shared_dir!r}")
     timeout = _timeout(raw.get("collective_timeout_s", DEFAULT_COLLECTIVE_TIMEOUT_S), "run.json: collective_timeout_s")
     if os.environ.get(TIMEOUT_ENV):
         timeout = _timeout(os.environ[TIMEOUT_ENV], TIMEOUT_ENV)
@@ -145,6 +149,7 @@ def parse_run_config(raw: dict, run_dir: Path) -> RunConfig:
         run_id=str(raw.get("run_id", "local")),
         ds_config=Path(raw["ds_config"]),
         num_nodes=num_nodes,
+        shared_dir=shared_dir,
         train=train,
         storage=storage,
         resume=resume,
@@ -200,6 +205,7 @@ class DistEnv:
     local_rank: int
     world_size: int
     local_world_size: int
+    shared_dir: bool = False  # RunConfig.shared_dir
 
     @property
     def node_rank(self) -> int:
@@ -210,13 +216,17 @@ class DistEnv:
         return self.rank == 0
 
     @property
-    def is_local_main(self) -> bool:
-        return self.local_rank == 0
+    def is_dir_main(self) -> bool:
+        """The rank that does the run dir's work for its node (data prep, checkpoint download, upload, pruning):
+        local rank 0, or rank 0 alone when every node sees the one run dir (else each node redoes it there)."""
+        return self.rank == 0 if self.shared_dir else self.local_rank == 0
 
     @classmethod
-    def from_env(cls, num_nodes: int = 1) -> DistEnv:
+    def from_env(cls, num_nodes: int = 1, shared_dir: bool = False) -> DistEnv:
         env = os.environ
         rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
         local_rank = int(env.get("LOCAL_RANK", "0"))
         local_world = int(env.get("LOCAL_SIZE") or env.get("LOCAL_WORLD_SIZE") or max(1, world // num_nodes))
-        return cls(rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world)
+        return cls(
+            rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world, shared_dir=shared_dir
+        )

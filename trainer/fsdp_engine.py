@@ -151,7 +151,7 @@ class FsdpEngine:
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
         target = Path(save_dir) / tag
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(target))
-        if self.env.is_local_main:  # every node: resume reads it from its own copy
+        if self.env.is_dir_main:  # every node's run dir: resume reads it from its own copy
             extra = {"scheduler": self.scheduler.state_dict(), "micro_steps": self.micro_steps}
             (target / ENGINE_FILE).write_text(json.dumps(extra) + "\n")
 

@@ -313,7 +313,7 @@ class SlurmProvider(Strict):
     partition: str | None = Field(default=None, description="sbatch --partition; None: the cluster's default")
     account: str | None = Field(default=None, description="sbatch --account")
     qos: str | None = Field(default=None, description="sbatch --qos")
-    nodes: int = Field(default=1, ge=1, le=1, description="nodes per job (one for now)")
+    nodes: int = Field(default=1, ge=1, le=64, description="nodes per job (one task each; ranks on every node)")
     gpus_per_node: int | None = Field(default=None, ge=1, le=64, description="GPUs per node; None: CPU ranks")
     gpu_request: Literal["auto", "gres", "gpus-per-node"] = Field(
         default="auto",
@@ -333,7 +333,15 @@ class SlurmProvider(Strict):
     )
     workdir: str = Field(..., description="folder on the shared filesystem every node sees, for run dirs")
     setup: str | None = Field(default=None, description="shell run on the node before each job (module load, venv)")
-    python: str = Field(default="python3", description="interpreter on the nodes with torch+deepspeed")
+    python: str = Field(
+        default="python3",
+        description="interpreter on the nodes (after setup): with torch+deepspeed, or bootstrap's base",
+    )
+    runtime: Literal["none", "bootstrap"] = Field(
+        default="none",
+        description="none: python has the node side; bootstrap: `up` installs the pinned node side once, in a job "
+        "on the partition, into <workdir>/venv over python (its torch when it is the pinned one)",
+    )
     connect_timeout: float = Field(default=10, gt=0, le=600, description="seconds to wait for the login node")
 
     @field_validator("partition", "account", "qos", "mem", "time", "constraint")

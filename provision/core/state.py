@@ -88,6 +88,8 @@ class ClusterRecord(BaseModel):
 
     @property
     def world_size(self) -> int:
+        if self.slurm:  # the one record is the login node; each of the job's nodes runs its slots
+            return self.nodes[0].slots * self.slurm.nodes
         return sum(n.slots for n in self.nodes)
 
 

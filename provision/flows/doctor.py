@@ -29,7 +29,7 @@ from provision.core.provider_config import CloudProvider
 from provision.estimate.doctor import judge
 from provision.estimate.doctor_rows import Needs
 from provision.providers import backend
-from provision.transport.remote import Node
+from provision.transport.remote import Node, after_setup
 
 QUICK_TIMEOUT_S = 180  # importing torch and DeepSpeed on a busy node
 FULL_TIMEOUT_S = 900  # a first CPU Adam build takes minutes
@@ -126,8 +126,7 @@ def node_argv(
         )
         return [*run.argv(), IMAGE_PYTHON, "-m", module]
     argv = ["env", f"PYTHONPATH={folder}/lib", cluster.python, "-m", module]
-    setup = getattr(cfg.provider, "setup", None)
-    return ["bash", "-c", f'{setup}\nexec "$@"', "gpuctl", *argv] if setup else argv
+    return after_setup(getattr(cfg.provider, "setup", None), argv)
 
 
 def clock_offset(node: Node) -> tuple[float, float] | None:

@@ -77,7 +77,10 @@ def bundle_spec(
         resume=resume,
         setup=getattr(prov, "setup", None),
     )
-    if len(cluster.nodes) > 1:
+    if cluster.slurm:  # Slurm picks the job's nodes when it starts it (slurm.sh writes the hostfile)
+        spec.nodes = [BundleNode(f"node{i}", first.slots) for i in range(cluster.slurm.nodes)]
+        spec.scheduler = "slurm"
+    elif len(cluster.nodes) > 1:
         from provision.transport.ssh.mesh import node_ssh_config
 
         spec.master_addr = first.private_address or first.address  # AWS: inside the VPC, where the group admits it

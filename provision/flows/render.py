@@ -65,6 +65,9 @@ class BundleSpec:
     # Multi-node: the first node's ssh config pdsh uses to reach every node (provision/mesh.py):
     # per-node Port/User/key and pinned host keys, so no --ssh_port and no DeepSpeed ssh check.
     ssh_config: str | None = None
+    # "slurm": the job's nodes are Slurm's to pick: srun starts one launcher per node (slurm_launcher),
+    # and nodes holds placeholders of their count and slots; the batch script writes the real hostfile.
+    scheduler: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -117,7 +120,18 @@ def rank_env(cfg: GpuctlConfig, spec: BundleSpec) -> dict[str, str]:
     return env
 
 
+def slurm_launcher(spec: BundleSpec, strategy: str) -> list[str]:
+    """One step of the Slurm job, one task per node: trainer/slurm_node.py starts that node's ranks (DeepSpeed's
+    per-node launcher or torchrun) at Slurm's node rank; launch.sh appends --master_port and the trainer's argv.
+    The step's environment is launch.sh's (--export=ALL): no secret is in it (they stay in secrets.env)."""
+    slots = spec.nodes[0].slots
+    srun = ["srun", "--export=ALL", f"--nodes={len(spec.nodes)}", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    return [*srun, *spec.launcher_prefix, spec.python, "-u", "-m", "trainer.slurm_node", strategy, str(slots)]
+
+
 def launcher_argv(spec: BundleSpec) -> list[str]:
+    if spec.scheduler == "slurm":
+        return slurm_launcher(spec, "deepspeed")
     argv = [
         *spec.launcher_prefix,
         spec.python,
@@ -152,6 +166,7 @@ def run_json(cfg: GpuctlConfig, spec: BundleSpec, data_rel: str) -> dict[str, An
         "storage": cfg.storage_settings(for_node=True),
         "resume": spec.resume,
         "collective_timeout_s": collective_timeout(cfg, spec),
+        "shared_dir": spec.scheduler == "slurm",  # one run dir on the shared filesystem for every node
     }
 
 
@@ -180,7 +195,7 @@ def render_bundle(cfg: GpuctlConfig, spec: BundleSpec, out_dir: Path) -> Path:
     """Write the run bundle into out_dir. Touches no machine."""
     batch = check_batch(cfg.train, spec.world_size)
     env = rank_env(cfg, spec)
-    if len(spec.nodes) > 1:
+    if len(spec.nodes) > 1 and spec.scheduler is None:  # srun passes the environment as it is
         bad = [k for k, v in env.items() if UNSAFE_DS_ENV.search(v)]
         if bad:
             raise ConfigError(
@@ -203,10 +218,12 @@ def render_bundle(cfg: GpuctlConfig, spec: BundleSpec, out_dir: Path) -> Path:
         launcher=launcher_argv(spec),
         script=["--module", "trainer", "run.json"],
         after_run=spec.after_run,
-        ssh_config=spec.ssh_config if len(spec.nodes) > 1 else None,
+        ssh_config=spec.ssh_config if len(spec.nodes) > 1 and spec.scheduler is None else None,
     )
     templates = dict(TEMPLATES)
-    if cfg.train.strategy == "fsdp":  # torchrun instead of DeepSpeed's runner (torchrun_context below)
+    if cfg.train.strategy == "fsdp" and spec.scheduler == "slurm":  # srun starts torchrun on every node
+        context.update(launcher=slurm_launcher(spec, "fsdp"))
+    elif cfg.train.strategy == "fsdp":  # torchrun instead of DeepSpeed's runner (torchrun_context below)
         context.update(torchrun_context(spec))
         templates[TORCHRUN_SCRIPT] = TORCHRUN_TEMPLATE
     jinja = template_env(cfg.base_dir)

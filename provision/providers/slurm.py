@@ -4,9 +4,10 @@ and cancels one batch job per run through the login node, and never schedules it
 `up` only checks the login node (Slurm answers, the partition has nodes, `sbatch --test-only`
 accepts the job's account/QOS/shape, the workdir exists and is writable) and records the cluster;
 no allocation is held while idle. `train` ships the bundle to the shared workdir like any node and
-`SlurmNode.start_detached` submits it: the batch script (slurm.sh) runs launch.sh with `srun`, one
-task per node. The job id stands where other providers keep launch.sh's process group: alive =
-Slurm still lists the job unfinished, stopping it = `scancel`. Secrets go through the run's 0600
+`SlurmNode.start_detached` submits it: the batch script (slurm.sh) runs launch.sh on the job's first
+node, whose launcher is one `srun` step with a task per node (each starts its node's ranks). The job id
+stands where other providers keep launch.sh's process group: alive = Slurm still lists the job
+unfinished, stopping it = `scancel`. Secrets go through the run's 0600
 secrets.env on the shared filesystem, which the ranks read themselves; never `--export` values.
 """
 
@@ -42,22 +43,31 @@ ACCT_STATE = re.compile(r"^([A-Z_]{1,40})\b")
 SELECT_TYPE = re.compile(r"^SelectType\s*=\s*(\S+)", re.M)
 # One GPU entry of sinfo's %G: gpu:4, gpu:a100:4 (the socket part "(S:0-1)" is cut off first).
 GPU_GRES = re.compile(r"(?:^|,)gpu(?::[^:,]+)?:(\d+)")
-# The batch script: `srun` starts launch.sh once per node (one task per node); launch.sh writes
-# status.json and job.log as on any node. MASTER_ADDR comes from Slurm's own node list.
-BATCH = """#!/bin/bash -l
+# The batch script runs on the job's first node. launch.sh runs there once (status.json, job.log, secrets,
+# setup and after-run commands as on any node); its launcher is one srun step with one task per node, each
+# starting that node's ranks (trainer/slurm_node.py). The rank layout comes from Slurm: the hostfile from
+# its node list, MASTER_ADDR the first node's address (NodeAddr: how Slurm itself reaches it).
+BATCH = r"""#!/bin/bash -l
 # gpuctl run {run_id}: the Slurm batch script (provision/providers/slurm.py). Slurm schedules it;
 # launch.sh does the rest as on any node. No secret is in here or on sbatch's command line.
 # A login shell (-l): the site's profile defines `module` and the like for provider.setup, as sbatch's
 # copy of the submitting environment would have (gpuctl passes only a few names, see EXPORT).
 set -u
 cd {run_dir} || exit 97
-export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+HOSTS=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
+FIRST=${{HOSTS%%[[:space:]]*}}
+MASTER_ADDR=$(scontrol show node --oneliner "$FIRST" | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p')
+export MASTER_ADDR=${{MASTER_ADDR:-$FIRST}}
+export GPUCTL_SLURM_HOSTS=$(echo $HOSTS)
+printf '%s slots={slots}\n' $HOSTS > hostfile
 echo "gpuctl: Slurm job $SLURM_JOB_ID on $SLURM_JOB_NODELIST (master $MASTER_ADDR)"
-# The walltime warning (sbatch --signal=USR1@N) reaches every process of the step: launch.sh and the
-# launcher ignore it (inherited), the ranks catch it, save a checkpoint and stop (trainer/stop_signal.py).
+# Slurm 22.05's srun no longer reads SLURM_CPUS_PER_TASK: the step's tasks get the job's CPUs through this
+[ -n "${{SLURM_CPUS_PER_TASK:-}}" ] && export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
+# The walltime warning (sbatch --signal=USR1@N) reaches every process of the job's steps: the ranks catch it,
+# save a checkpoint and stop (trainer/stop_signal.py); the launchers ignore it, and so does launch.sh here.
 export GPUCTL_STOP_SIGNAL=USR1
-{requeue}# --export=ALL: this script's environment (sbatch's SLURM_EXPORT_ENV would narrow srun's to sbatch's list)
-srun --export=ALL --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c 'trap "" USR1; exec bash launch.sh'
+trap '' USR1
+{requeue}bash launch.sh
 RC=$?
 {ended}exit $RC
 """
@@ -78,7 +88,7 @@ elif [ -f secrets.env ]; then
   ln -f secrets.env secrets.keep
 fi
 """
-# After srun: launch.sh wrote how the run ended. Succeeded or failed by itself: no requeue follows, so the
+# After launch.sh: it wrote how the run ended. Succeeded or failed by itself: no requeue follows, so the
 # kept secrets go. Cancelled (a signal: scancel, or Slurm's own requeue) keeps them for a restart;
 # gpuctl removes them once Slurm lists the job as over (SlurmNode.drop_run_secrets).
 ENDED = """grep -qE '"state": "(succeeded|failed)"' status.json 2>/dev/null && rm -f secrets.keep
@@ -179,7 +189,9 @@ class SlurmNode(Node):
         restarts > 0: Slurm may requeue it that often (preemption, node failure), each start resuming."""
         run_id = cwd.rstrip("/").rsplit("/", 1)[-1]
         requeue = REQUEUE.format(max_restarts=restarts) if restarts else ""
-        batch = BATCH.format(run_id=run_id, run_dir=shlex.quote(cwd), requeue=requeue, ended=ENDED if restarts else "")
+        slots = (self.prov.gpus_per_node or self.prov.cpu_ranks) if self.prov else 1
+        ended = ENDED if restarts else ""
+        batch = BATCH.format(run_id=run_id, run_dir=shlex.quote(cwd), slots=slots, requeue=requeue, ended=ended)
         if script != "launch.sh":  # slurm.sh starts launch.sh; nothing else is submitted
             raise RemoteError(f"{self.label}: cannot submit {script}")
         self.write_text(f"{cwd}/{BATCH_SCRIPT}", batch, "700")
@@ -205,12 +217,12 @@ class SlurmNode(Node):
         fields = dict(JOB_FIELD.findall(result.stdout[:20_000]))
         return fields.get("JobState", ""), fields.get("Reason", "")
 
-    def on_compute(self, argv: list[str], timeout_s: float) -> list[str]:
-        """argv as a short job on the partition (the doctor's checks on a node the run would get, not the
-        login node): srun allocates, runs it there with our stdin (the checks' request) and releases."""
+    def on_compute(self, argv: list[str], timeout_s: float, name: str = "doctor") -> list[str]:
+        """argv as a short job on the partition (the doctor's checks, the bootstrap install: on a node the run
+        would get, not the login node): srun allocates, runs it there with our stdin and releases."""
         if self.prov is None:
             return argv
-        srun = ["srun", "--job-name", "gpuctl-doctor", f"--immediate={DOCTOR_QUEUE_S}", "--export=" + ",".join(EXPORT)]
+        srun = ["srun", "--job-name", f"gpuctl-{name}", f"--immediate={DOCTOR_QUEUE_S}", "--export=" + ",".join(EXPORT)]
         # a login shell, as slurm.sh's: the site's profile defines `module` for provider.setup
         return [*srun, *doctor_options(self.prov, timeout_s), "bash", "-l", "-c", 'exec "$@"', "gpuctl", *argv]
 
@@ -338,6 +350,10 @@ class SlurmBackend(ProviderBackend):
         node = login_node(record.nodes[0], record.identity_file, pin_new=True)  # pins the login's key
         try:
             record.slurm = _check(node, prov, opts.say)  # jobs ask for GPUs the way this site does
+            if prov.runtime == "bootstrap" and not opts.dry_run:
+                from provision.providers.bootstrap import install_on_slurm
+
+                record.python = install_on_slurm(SlurmNode(node, [], record.slurm), record.slurm, opts.say)
         finally:
             node.close()
         return None if opts.dry_run else record

@@ -216,7 +216,7 @@ class Node:
     def signal_group(self, pgid: int, sig: str = "TERM") -> None:
         self.sh('kill -s "$2" -- "-$1" 2>/dev/null || true', str(pgid), sig, check=False, timeout=30)
 
-    def on_compute(self, argv: list[str], timeout_s: float) -> list[str]:
+    def on_compute(self, argv: list[str], timeout_s: float, name: str = "doctor") -> list[str]:
         """argv as it runs where the run's ranks will (provider slurm: in a short job); here, as is."""
         return argv
 
@@ -242,6 +242,12 @@ class Node:
         script = 'n=0; for f in "$1"/runs/*/secrets.env "$1"/runs/*/secrets.keep; do [ -e "$f" ] && rm -f -- "$f" && n=$((n+1)); done; echo "$n"'
         out = self.sh(script, workdir.rstrip("/"), check=False, timeout=60).stdout.strip()
         return int(out) if out.isdigit() else 0
+
+
+def after_setup(setup: str | None, argv: list[str]) -> list[str]:
+    """argv run after provider.setup (module loads, a venv): the user's own shell, in a bash whose
+    arguments stay argv's, unpasted."""
+    return ["bash", "-c", f'{setup}\nexec "$@"', "gpuctl", *argv] if setup else argv
 
 
 _WARMING: list[threading.Thread] = []  # warm() calls not yet joined

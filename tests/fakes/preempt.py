@@ -32,6 +32,29 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+def signal_run(run_dir: Path, sig: int, *, by_cmdline: bool = False) -> None:
+    """Send sig to every process of the run on this machine, found in /proc (a run whose processes
+    span nodes or a Slurm step has no one process group to signal).
+
+    Default: the processes whose working dir is the run dir (gpuctl's own rule; with the nodes on one
+    file system, every node's). ``by_cmdline``: the Python processes (launcher, ranks) whose command
+    line names the run dir or whose working dir starts with it; never slurmstepd or the batch shell,
+    which must answer a requeue."""
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if by_cmdline:
+                if not Path(os.readlink(proc / "exe")).name.startswith("python"):
+                    continue
+                named = str(run_dir).encode() in (proc / "cmdline").read_bytes()
+                ours = named or os.readlink(proc / "cwd").startswith(str(run_dir))
+            else:
+                ours = os.readlink(proc / "cwd") == str(run_dir)
+            if ours:
+                os.kill(int(proc.name), sig)
+        except OSError:  # gone meanwhile, or another user's
+            continue
+
+
 def steps(path: Path) -> dict[int, float]:
     """step -> loss of metrics.jsonl's whole lines (the last one may be half written)."""
     losses = {}
