@@ -86,11 +86,16 @@ class ClusterRecord(BaseModel):
     startup_estimate: dict[str, float] | None = None
     startup_line: str | None = None
 
+    def rank_nodes(self) -> list[tuple[str, int]]:
+        """(host, slots) of each node the ranks run on. Slurm's: placeholders of the job's shape (the one
+        record is the login node; Slurm picks the nodes when the job starts, slurm.sh writes the hostfile)."""
+        if self.slurm:
+            return [(f"node{i}", self.nodes[0].slots) for i in range(self.slurm.nodes)]
+        return [(n.host, n.slots) for n in self.nodes]
+
     @property
     def world_size(self) -> int:
-        if self.slurm:  # the one record is the login node; each of the job's nodes runs its slots
-            return self.nodes[0].slots * self.slurm.nodes
-        return sum(n.slots for n in self.nodes)
+        return sum(slots for _, slots in self.rank_nodes())
 
 
 class RestartEvent(BaseModel):

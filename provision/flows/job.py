@@ -66,21 +66,18 @@ def bundle_spec(
     from provision.flows.render import BundleNode, BundleSpec
 
     first = cluster.nodes[0]
-    prov = cfg.provider
     spec = BundleSpec(
         run_id=run_id,
         run_dir=run_dir_of(first.workdir, run_id),
-        nodes=[BundleNode(n.host, n.slots) for n in cluster.nodes],
+        nodes=[BundleNode(host, slots) for host, slots in cluster.rank_nodes()],
         python=cluster.python,
         accelerator=first.accelerator,
         gpu_name=first.gpu_name,
         resume=resume,
-        setup=getattr(prov, "setup", None),
+        setup=getattr(cfg.provider, "setup", None),
+        scheduler="slurm" if cluster.slurm else None,
     )
-    if cluster.slurm:  # Slurm picks the job's nodes when it starts it (slurm.sh writes the hostfile)
-        spec.nodes = [BundleNode(f"node{i}", first.slots) for i in range(cluster.slurm.nodes)]
-        spec.scheduler = "slurm"
-    elif len(cluster.nodes) > 1:
+    if len(cluster.nodes) > 1:
         from provision.transport.ssh.mesh import node_ssh_config
 
         spec.master_addr = first.private_address or first.address  # AWS: inside the VPC, where the group admits it
