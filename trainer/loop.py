@@ -249,7 +249,7 @@ def ds_precision(ds_config: dict) -> str:
 
 
 def load_data(cfg: RunConfig, env: DistEnv, tokenizer) -> PackedTokens:
-    """Each run dir's main rank (DistEnv.is_dir_main) downloads (s3://) and tokenizes once into a token file; every rank memory-maps it."""
+    """The run dir's main rank (env.is_dir_main) fetches and tokenizes once into a token file; every rank maps it."""
     source = resolve_data(cfg.train.data, cfg.run_dir)  # every rank: the same one-line error for a bad path/url
     if env.is_dir_main:
         with all_cores():  # the other ranks wait: tokenize on every core, not this rank's share

@@ -54,7 +54,7 @@ def load(run_dir: Path) -> list[str]:
 
 
 def drop(run_dir: Path, env: DistEnv) -> None:
-    """The run dir's main rank (DistEnv.is_dir_main): delete this node's copy. Call it once every rank is past the group's rendezvous
-    (or when this rank's run is over): by then every rank that will read it has."""
+    """The run dir's main rank (DistEnv.is_dir_main): delete this node's copy. Call it once every rank is
+    past the group's rendezvous (or when this rank's run is over): by then every rank that will read it has."""
     if env.is_dir_main:
         (run_dir / FILE).unlink(missing_ok=True)

@@ -21,6 +21,8 @@ import os
 import signal
 import sys
 
+from trainer.hostenv import TORCHRUN_OMP
+
 USAGE = "usage: python -m trainer.slurm_node deepspeed|fsdp SLOTS --master_port PORT ARGS..."
 
 
@@ -64,7 +66,7 @@ def launcher(argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str,
         head = ["deepspeed.launcher.launch", f"--world_info={info}", f"--node_rank={node_rank}"]
         return [*python, *head, f"--master_addr={master}", "--no_local_rank", *rest], env
     # torchrun sets OMP_NUM_THREADS=1 for several ranks when none is set: mark it, each rank sizes its threads
-    marked = env if "OMP_NUM_THREADS" in env else {**env, "GPUCTL_OMP_FROM_TORCHRUN": "1"}
+    marked = env if "OMP_NUM_THREADS" in env else {**env, TORCHRUN_OMP: "1"}
     shape = ["--nnodes", str(nodes), "--node_rank", str(node_rank), "--nproc_per_node", str(slots)]
     return [*python, "torch.distributed.run", *shape, "--master_addr", master, *rest], marked
 

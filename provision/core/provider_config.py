@@ -344,6 +344,10 @@ class SlurmProvider(Strict):
     )
     connect_timeout: float = Field(default=10, gt=0, le=600, description="seconds to wait for the login node")
 
+    @property
+    def ranks_per_node(self) -> int:
+        return self.gpus_per_node or self.cpu_ranks
+
     @field_validator("partition", "account", "qos", "mem", "time", "constraint")
     @classmethod
     def _slurm_word(cls, value: str | None) -> str | None:

@@ -129,9 +129,11 @@ def slurm_launcher(spec: BundleSpec, strategy: str) -> list[str]:
     return [*srun, *spec.launcher_prefix, spec.python, "-u", "-m", "trainer.slurm_node", strategy, str(slots)]
 
 
-def launcher_argv(spec: BundleSpec) -> list[str]:
+def launcher_argv(spec: BundleSpec, strategy: str = "deepspeed") -> list[str]:
+    """launch.sh's launcher: under Slurm one srun step for either strategy, else DeepSpeed's runner (which
+    fsdp's torchrun.sh replaces, torchrun_context)."""
     if spec.scheduler == "slurm":
-        return slurm_launcher(spec, "deepspeed")
+        return slurm_launcher(spec, strategy)
     argv = [
         *spec.launcher_prefix,
         spec.python,
@@ -195,7 +197,8 @@ def render_bundle(cfg: GpuctlConfig, spec: BundleSpec, out_dir: Path) -> Path:
     """Write the run bundle into out_dir. Touches no machine."""
     batch = check_batch(cfg.train, spec.world_size)
     env = rank_env(cfg, spec)
-    if len(spec.nodes) > 1 and spec.scheduler is None:  # srun passes the environment as it is
+    over_pdsh = len(spec.nodes) > 1 and spec.scheduler is None  # Slurm's srun passes the environment as it is
+    if over_pdsh:
         bad = [k for k, v in env.items() if UNSAFE_DS_ENV.search(v)]
         if bad:
             raise ConfigError(
@@ -215,15 +218,13 @@ def render_bundle(cfg: GpuctlConfig, spec: BundleSpec, out_dir: Path) -> Path:
         python=spec.python,
         world_size=spec.world_size,
         setup=spec.setup,
-        launcher=launcher_argv(spec),
+        launcher=launcher_argv(spec, cfg.train.strategy),
         script=["--module", "trainer", "run.json"],
         after_run=spec.after_run,
-        ssh_config=spec.ssh_config if len(spec.nodes) > 1 and spec.scheduler is None else None,
+        ssh_config=spec.ssh_config if over_pdsh else None,
     )
     templates = dict(TEMPLATES)
-    if cfg.train.strategy == "fsdp" and spec.scheduler == "slurm":  # srun starts torchrun on every node
-        context.update(launcher=slurm_launcher(spec, "fsdp"))
-    elif cfg.train.strategy == "fsdp":  # torchrun instead of DeepSpeed's runner (torchrun_context below)
+    if cfg.train.strategy == "fsdp" and spec.scheduler is None:  # torchrun.sh (torchrun_context below); Slurm: srun
         context.update(torchrun_context(spec))
         templates[TORCHRUN_SCRIPT] = TORCHRUN_TEMPLATE
     jinja = template_env(cfg.base_dir)

@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from provision.core.errors import ProviderError
-from provision.core.provider_config import SlurmProvider
-from provision.core.state import NodeRecord
+from provision.core.state import ClusterRecord, NodeRecord
 from provision.transport.remote import Node, after_setup
 
 INSTALL_TIMEOUT_S = 1800.0  # DeepSpeed's sdist, transformers, boto3 (and torch where the image has none)
@@ -72,11 +71,12 @@ def install(ssh: Node, node: NodeRecord, base_python: str, say: Callable[[str], 
     return venv_python(node.workdir)
 
 
-def install_on_slurm(login: Node, prov: SlurmProvider, say: Callable[[str], None]) -> str:
+def install_on_slurm(login: Node, cluster: ClusterRecord, say: Callable[[str], None]) -> str:
     """provider slurm, runtime bootstrap: the node side into <workdir>/venv on the shared filesystem, built
     once (kept while the pins are the same) by a short job on a compute node, over provider.python after
     provider.setup: the nodes' own Python and modules, not the login node's. Returns the venv's python."""
-    flavour = "cuda" if prov.gpus_per_node else "cpu"
+    prov, flavour = cluster.slurm, flavour_of(cluster.nodes[0])
+    assert prov is not None  # provider slurm's record
     venv, pins = write_pins(login, prov.workdir, flavour)
     script = f"{prov.workdir.rstrip('/')}/bootstrap/bootstrap.sh"
     login.write_text(script, (images_dir() / "bootstrap.sh").read_text(), mode="644")

@@ -137,7 +137,7 @@ def login_record(prov: SlurmProvider) -> state.NodeRecord:
     alias resolved as provider.hosts is, ProxyJump included)."""
     node = state.NodeRecord(
         host=prov.login,
-        slots=prov.gpus_per_node or prov.cpu_ranks,
+        slots=prov.ranks_per_node,
         accelerator="cuda" if prov.gpus_per_node else "cpu",
         workdir=prov.workdir,
     )
@@ -189,7 +189,7 @@ class SlurmNode(Node):
         restarts > 0: Slurm may requeue it that often (preemption, node failure), each start resuming."""
         run_id = cwd.rstrip("/").rsplit("/", 1)[-1]
         requeue = REQUEUE.format(max_restarts=restarts) if restarts else ""
-        slots = (self.prov.gpus_per_node or self.prov.cpu_ranks) if self.prov else 1
+        slots = self.prov.ranks_per_node if self.prov else 1
         ended = ENDED if restarts else ""
         batch = BATCH.format(run_id=run_id, run_dir=shlex.quote(cwd), slots=slots, requeue=requeue, ended=ended)
         if script != "launch.sh":  # slurm.sh starts launch.sh; nothing else is submitted
@@ -353,7 +353,7 @@ class SlurmBackend(ProviderBackend):
             if prov.runtime == "bootstrap" and not opts.dry_run:
                 from provision.providers.bootstrap import install_on_slurm
 
-                record.python = install_on_slurm(SlurmNode(node, [], record.slurm), record.slurm, opts.say)
+                record.python = install_on_slurm(SlurmNode(node, [], record.slurm), record, opts.say)
         finally:
             node.close()
         return None if opts.dry_run else record
